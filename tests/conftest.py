@@ -1,0 +1,71 @@
+"""Shared fixtures: a tiny random-weight Llama folder (no download), the bundled model, real prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+SHAREGPT_500 = SHARED_DATA / "sharegpt" / "ShareGPT_V3_filtered_500.json"
+
+
+def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight Llama built from transformers' LlamaConfig as an HF folder (safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        eos_token_id=255,
+        bos_token_id=1,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    with torch.no_grad():  # larger weights than the default init: sharper, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def bundled_llm():
+    """The bundled SmolLM2-135M-Instruct in float32 (converted once, then cached)."""
+    from workbench import LLM
+
+    return LLM(dtype="float32", max_num_seqs=32)
+
+
+def real_prompts(n: int) -> list[str]:
+    """``n`` real-world prompts: ShareGPT (../shared/data) when present, else the project's own."""
+    from workbench.bench.datasets import default_prompts, load_prompts
+
+    if SHAREGPT_500.exists():
+        recs = [r for r in load_prompts(SHAREGPT_500) if isinstance(r.prompt, str) and len(r.prompt) < 1500]
+    else:
+        recs = default_prompts()
+    return [r.prompt for r in recs[:n]]

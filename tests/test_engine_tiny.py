@@ -1,0 +1,162 @@
+"""The engine on a tiny random-weight Llama (built from transformers' LlamaConfig; no download)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from workbench import LLM, SamplingParams
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model):
+    return LLM(model=str(tiny_model), block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+
+
+def test_batched_greedy_equals_transformers_one_at_a_time(tiny_llm, tiny_hf):
+    ps = prompts(10)
+    outs = tiny_llm.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
+    for p, o in zip(ps, outs):
+        assert o.outputs[0].token_ids == hf_greedy(tiny_hf, p, 24)
+        assert o.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 256},
+        {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 3},
+        {"block_size": 1},
+        {"block_size": 32},
+        {"num_gpu_blocks_override": 40, "block_size": 4},  # 160 slots for 8 x ~80 tokens: preemption
+    ],
+)
+def test_greedy_is_the_same_under_every_scheduling(tiny_model, tiny_llm, args):
+    ps = prompts(8, seed=1)
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in tiny_llm.generate(ps, sp)]
+    base = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+    llm = LLM(model=str(tiny_model), **(base | args))
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
+    assert got == ref
+    steps = llm.llm_engine.recorder.steps
+    if "num_gpu_blocks_override" in args:
+        assert sum(s.num_preemptions for s in steps) > 0
+    eng = llm.llm_engine
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks  # nothing leaked
+
+
+def test_prompt_too_long_is_refused_and_others_finish(tiny_llm):
+    ok1, ok2 = prompts(2, seed=3)
+    long = [5] * 300  # max_model_len = 256
+    outs = tiny_llm.generate([ok1, long, ok2], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert "300" in outs[1].error and "max_model_len=256" in outs[1].error
+    assert outs[1].outputs[0].token_ids == []
+    for o in (outs[0], outs[2]):
+        assert o.error is None and len(o.outputs[0].token_ids) == 5
+
+
+def test_pool_too_small_for_one_sequence_is_a_startup_error(tiny_model):
+    with pytest.raises(ValueError) as e:
+        LLM(model=str(tiny_model), block_size=4, num_gpu_blocks_override=10, max_model_len=256)
+    msg = str(e.value)
+    assert "40 tokens" in msg and "max_model_len=256" in msg and "max_model_len <= 40" in msg
+
+
+def test_memory_budget_too_small_is_a_startup_error(tiny_model):
+    # 0.9 x 1 MB - weights 427,264 B - activations 262,144 B = 210,592 B = 411 tokens of 512 B -> 25 blocks of 16
+    with pytest.raises(ValueError) as e:
+        LLM(model=str(tiny_model), device_memory=1_000_000, max_model_len=512, max_num_batched_tokens=64)
+    assert "400 tokens" in str(e.value) and "max_model_len <= 400" in str(e.value)
+
+
+def test_empty_prompt_and_bad_token_ids_raise_before_anything_is_queued(tiny_llm):
+    eng = tiny_llm.llm_engine
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llm.generate([[1, 2, 3], []])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_llm.generate([[1, 2, 3], [999]])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        tiny_llm.generate(["text needs a tokenizer"])
+    assert not eng.has_unfinished_requests()
+
+
+def test_seeded_sampling_reproduces_and_seeds_differ(tiny_llm):
+    ps = prompts(4, seed=5)
+    sp = [
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=s, max_tokens=16, ignore_eos=True)
+        for s in (1, 2, 1, 3)
+    ]
+    a = [o.outputs[0].token_ids for o in tiny_llm.generate(ps, sp)]
+    b = [o.outputs[0].token_ids for o in tiny_llm.generate(ps, sp)]
+    assert a == b
+    assert a[0] != a[1] or a[0] != a[3]
+
+
+def test_stop_token_ids_and_eos(tiny_llm, tiny_hf):
+    p = prompts(1, seed=7)[0]
+    ref = hf_greedy(tiny_hf, p, 12)
+    stop = ref[5]
+    first = ref.index(stop)
+    out = tiny_llm.generate([p], SamplingParams(max_tokens=12, stop_token_ids=[stop]))[0]
+    assert out.outputs[0].token_ids == ref[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_abort_releases_blocks(tiny_llm):
+    eng = tiny_llm.llm_engine
+    eng.add_request("x", prompts(1, seed=9)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.add_request("y", prompts(1, seed=10)[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.step()
+    eng.abort("x")
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            done[o.request_id] = o
+    assert done["x"].outputs[0].finish_reason == "abort"
+    assert done["y"].outputs[0].finish_reason == "length"
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_step_stats_and_request_records(tiny_model, tmp_path):
+    from workbench.metrics import JsonlSink, Recorder
+
+    rec = Recorder([JsonlSink(tmp_path)])
+    llm = LLM(
+        model=str(tiny_model), block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, recorder=rec
+    )
+    ps = prompts(6, seed=11)
+    llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True))
+    rec.close()
+    steps = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    reqs = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(steps) == len(rec.steps) and len(reqs) == 6
+    assert sum(s["num_prefill_tokens"] for s in steps) == sum(len(p) for p in ps)
+    assert sum(s["num_decode_tokens"] for s in steps) == 6 * 9  # the first token comes from the prefill
+    for s in steps:
+        assert s["num_prefill_tokens"] + s["num_decode_tokens"] <= 32
+        assert s["num_running"] <= 4
+        parts = s["token_states"] + s["reservation"] + s["internal_fragmentation"] + s["external_fragmentation"]
+        assert parts + s["free"] == s["num_blocks"] * s["block_size"]
+        assert s["blocks_used"] + s["blocks_free"] == s["num_blocks"]
+    for r in reqs:
+        assert r["output_tokens"] == 10 and len(r["itl_s"]) == 9
+        assert r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] and r["tpot_s"] > 0
+        assert r["queue_time_s"] >= 0

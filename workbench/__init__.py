@@ -1,0 +1,11 @@
+"""workbench: an LLM-serving engine (paged KV cache, continuous batching) and a course lab.
+
+from workbench import LLM, SamplingParams
+"""
+
+from workbench.config import EngineConfig
+from workbench.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+from workbench.sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

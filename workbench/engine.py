@@ -1,0 +1,415 @@
+"""``LLMEngine`` (add_request / step / abort) and ``LLM.generate``, in vLLM's shape.
+
+from workbench import LLM, SamplingParams
+llm = LLM(block_size=16, max_num_seqs=32)          # the bundled SmolLM2-135M
+out = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.config import EngineConfig
+from workbench.executor.local import LocalExecutor, prepare_inputs
+from workbench.kv.manager import KVCacheManager
+from workbench.memory import MemoryBudget, plan_memory
+from workbench.metrics import Recorder, StepStats, request_record
+from workbench.model.llama import LlamaForCausalLM
+from workbench.model.loader import load_model
+from workbench.request import Request, RequestStatus
+from workbench.sampling import SamplingParams, sample
+from workbench.scheduler import Scheduler
+
+log = logging.getLogger("workbench")
+
+#: A prompt: text (no template), token ids, or chat messages ``[{"role", "content"}]``
+#: (the model's chat template is applied).
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence: ``text`` (decoded when the request finishes) and ``token_ids``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """A request's result, as vLLM's ``RequestOutput``.
+
+    ``error`` is set (and ``outputs[0].finish_reason == "error"``) when the engine refused
+    the request, e.g. a prompt longer than ``max_model_len``.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    """The serving engine: a scheduler, a KV-cache manager and a model executor.
+
+    Args:
+        config: the engine arguments (validated here, before the model loads).
+        recorder: where StepStats and request records go (a new in-memory one by default).
+
+    Raises:
+        ValueError / FileNotFoundError: a bad argument (see :meth:`EngineConfig.validate`),
+            or a KV pool that cannot hold one ``max_model_len`` sequence.
+    """
+
+    def __init__(self, config: EngineConfig, recorder: Recorder | None = None) -> None:
+        self.config = config.validate()
+        self.recorder = recorder or Recorder()
+        torch.manual_seed(config.seed)
+        self.device = config.torch_device
+        t0 = time.perf_counter()
+        loaded = load_model(config.model, config.resolved_cache_dir, config.tokenizer)
+        self.hf_config = loaded.hf_config
+        self.tokenizer = loaded.tokenizer
+        self.model_folder = loaded.folder
+        cfg = self.hf_config
+
+        model_max = getattr(cfg, "max_position_embeddings", None) or EngineConfig.DEFAULT_MAX_MODEL_LEN
+        if config.max_model_len is None:
+            self.max_model_len = min(model_max, EngineConfig.DEFAULT_MAX_MODEL_LEN)
+        elif config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max}; "
+                f"use max_model_len <= {model_max}"
+            )
+        else:
+            self.max_model_len = config.max_model_len
+        if config.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = config.max_num_batched_tokens
+        elif config.enable_chunked_prefill:
+            self.max_num_batched_tokens = max(EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+        else:
+            self.max_num_batched_tokens = max(self.max_model_len, config.max_num_seqs)
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, self.max_model_len)
+        model = model.to_empty(device="cpu")
+        model.rotary = type(model.rotary)(cfg, self.max_model_len)  # buffers are not in the checkpoint
+        model.load_hf_state_dict(loaded.state_dict)
+        del loaded
+        self.model = model.to(device=self.device, dtype=config.torch_dtype).eval()
+        self.model.rotary.float()  # keep RoPE tables in float32, as transformers does
+        self.load_time_s = time.perf_counter() - t0
+
+        if config.device_memory is None and self.device.type == "cpu":
+            device_memory = EngineConfig.DEFAULT_CPU_DEVICE_MEMORY
+        else:
+            device_memory = config.device_memory
+        self.memory: MemoryBudget = plan_memory(
+            hf_config=cfg,
+            device=self.device,
+            device_memory=device_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            weights_bytes=self.model.weight_bytes(),
+            kv_dtype=config.kv_torch_dtype,
+            act_dtype=config.torch_dtype,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            num_gpu_blocks_override=config.num_gpu_blocks_override,
+        )
+        log.info(self.memory.summary_line())
+        self.kv = KVCacheManager(self.memory.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+        )
+        self.executor = LocalExecutor(
+            self.model, self.memory.num_blocks, config.block_size, config.kv_torch_dtype, self.device
+        )
+        self.requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._refused: list[Request] = []
+        self._counter = 0
+        self._step = 0
+        self.start_time = time.perf_counter()
+        self.eos_token_id = self._eos_id()
+
+    # ------------------------------------------------------------------ requests
+    def _eos_id(self) -> int | None:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        return eos
+
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """Token ids (and text) of a prompt; chat messages get the model's chat template.
+
+        Raises:
+            ValueError: an empty prompt, or text with no tokenizer available.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character or token id")
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass prompts as token-id lists")
+            return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("chat messages need a tokenizer with a chat template; pass a plain string")
+            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False), text
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty; give at least one character or token id")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab}); fix the prompt's token ids")
+        return ids, None
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; return its id.
+
+        A prompt that can never run (longer than ``max_model_len`` allows, or than the KV pool
+        holds) does not raise: the request ends at the next step with ``finish_reason="error"``
+        and an error naming both numbers, and the other requests go on.
+
+        Raises:
+            ValueError: an empty prompt, an out-of-vocabulary token id, or a duplicate request id.
+        """
+        sp = sampling_params or SamplingParams()
+        ids, text = self.tokenize(prompt)
+        if request_id is None:
+            request_id = str(self._counter)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine; use a unique id")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=sp,
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            prompt=text,
+            eos_token_id=self.eos_token_id,
+            max_total_len=self.max_model_len,
+        )
+        seed = sp.seed if sp.seed is not None else self.config.seed * 1_000_003 + self._counter
+        self._counter += 1
+        self.requests[request_id] = req
+        if not sp.greedy:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(seed)
+            self._generators[request_id] = g
+        n = len(ids)
+        if n >= self.max_model_len:
+            req.error = (
+                f"prompt has {n} tokens but max_model_len={self.max_model_len} leaves room for at most "
+                f"{self.max_model_len - 1} prompt tokens (one is needed for the output); shorten the prompt "
+                "or raise max_model_len"
+            )
+        elif n + 1 > self.kv.pool_tokens:
+            req.error = (
+                f"prompt has {n} tokens but the KV pool holds {self.kv.pool_tokens} tokens; shorten the prompt "
+                "or give the KV cache more memory"
+            )
+        if req.error:
+            req.status = RequestStatus.FINISHED_ERROR
+            req.finish_time = req.arrival_time
+            self._refused.append(req)
+        else:
+            self.scheduler.add_request(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """End a request in any state, releasing its blocks (no-op when already finished)."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._refused.append(req)  # reported at the next step
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._refused)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, run the model, sample, update. Returns the requests finished in it."""
+        finished: list[Request] = self._refused
+        self._refused = []
+        t_start = time.perf_counter()
+        out = self.scheduler.schedule()
+        t_sched = time.perf_counter()
+        model_s = sample_s = 0.0
+        if not out.is_empty:
+            inp = prepare_inputs(out, self.kv, self.device)
+            logits = self.executor.execute_model(inp)
+            t_model = time.perf_counter()
+            reqs = [s.request for s in inp.sampling]
+            toks = sample(logits, [r.sampling_params for r in reqs], [self._generators.get(r.request_id) for r in reqs])
+            t_end = time.perf_counter()
+            model_s, sample_s = t_model - t_sched, t_end - t_model
+            finished += self.scheduler.update(out, {r.request_id: t for r, t in zip(reqs, toks)}, t_end)
+        t_end = time.perf_counter()
+        if not out.is_empty or finished:
+            self._record_step(out, finished, t_start, t_end, t_sched - t_start, model_s, sample_s)
+        return [self._output(r) for r in finished]
+
+    def _record_step(self, out, finished, t_start, t_end, sched_s, model_s, sample_s) -> None:
+        running = self.scheduler.running
+        usage = self.kv.usage({r.request_id: r.num_computed_tokens for r in running})
+        n_prefill = sum(1 for s in out.scheduled if s.is_prefill)
+        st = StepStats(
+            step=self._step,
+            time_s=t_start - self.start_time,
+            wall_time_s=t_end - t_start,
+            schedule_time_s=sched_s,
+            model_time_s=model_s,
+            sample_time_s=sample_s,
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_prefill_reqs=n_prefill,
+            num_decode_reqs=len(out.scheduled) - n_prefill,
+            num_running=len(running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=len(out.preempted),
+            num_finished=len(finished),
+            num_blocks=self.kv.num_blocks,
+            blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
+            blocks_free=self.kv.num_free_blocks,
+            block_size=self.kv.block_size,
+            kv_bytes_per_token=self.memory.kv_bytes_per_token,
+            token_states=usage.token_states,
+            reservation=usage.reservation,
+            internal_fragmentation=usage.internal_fragmentation,
+            external_fragmentation=usage.external_fragmentation,
+            free=usage.free,
+            kv_utilization=usage.kv_utilization,
+            fragmentation_rate=usage.fragmentation_rate,
+        )
+        self._step += 1
+        self.recorder.record_step(st)
+        for r in finished:
+            self.recorder.record_request(request_record(r, self.start_time))
+
+    def _output(self, req: Request) -> RequestOutput:
+        self._generators.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
+        text = ""
+        if self.tokenizer is not None and req.output_token_ids:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        rec = request_record(req, self.start_time)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, text, list(req.output_token_ids), req.status.value)],
+            finished=True,
+            error=req.error,
+            metrics=rec.to_dict(),
+        )
+
+
+class LLM:
+    """Offline batch inference, as vLLM's ``LLM``.
+
+    Args:
+        model: see :class:`EngineConfig` (default: the bundled SmolLM2-135M-Instruct).
+        **engine_args: any :class:`EngineConfig` field, with vLLM's names.
+
+    Raises:
+        ValueError / FileNotFoundError: a bad engine argument, before the model loads.
+    """
+
+    def __init__(self, model: str | None = None, recorder: Recorder | None = None, **engine_args) -> None:
+        if model is not None:
+            engine_args["model"] = model
+        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s) {sorted(unknown)}; valid ones: "
+                f"{sorted(k for k in EngineConfig.__dataclass_fields__ if k != 'extra')}"
+            )
+        self.llm_engine = LLMEngine(EngineConfig(**engine_args), recorder=recorder)
+
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, batched by the engine; outputs come in the prompts' order.
+
+        Args:
+            prompts: one prompt or a list (strings, token-id lists, or chat message lists).
+            sampling_params: one for all, or one per prompt.
+            use_tqdm: show a progress bar of finished requests (or a tqdm-like factory).
+
+        Raises:
+            ValueError: an empty prompt or a mismatched number of sampling params; raised before
+                any request is queued, so nothing is lost.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        sps = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(sps) != len(prompts):
+            raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
+        eng = self.llm_engine
+        tokenized = [eng.tokenize(p) for p in prompts]  # validate all before queueing any
+        del tokenized
+        base = eng._counter
+        ids = [f"gen-{base + i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, sps):
+            eng.add_request(rid, p, sp)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            factory = use_tqdm if callable(use_tqdm) else tqdm
+            bar = factory(total=len(prompts), desc="requests", unit="req")
+        results: dict[str, RequestOutput] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                results[o.request_id] = o
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one conversation or a list of them (chat template applied)."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm)
+
+
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "CompletionOutput"]

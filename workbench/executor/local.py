@@ -1,0 +1,109 @@
+"""One process, one device: the model runner that turns a schedule into tensors and logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workbench.attention import AttentionMetadata, DecodeGroup
+from workbench.kv.manager import KVCacheManager, cdiv
+from workbench.model.llama import LlamaForCausalLM
+from workbench.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class ModelInput:
+    """Flat tensors of one step (see :class:`~workbench.attention.AttentionMetadata`).
+
+    Attributes:
+        input_ids: ``[num_tokens]`` int64.
+        positions: ``[num_tokens]`` int64.
+        meta: the paged-attention layout (slot mapping, block tables, context lengths).
+        logits_indices: ``[num_sampling]`` int64, rows of the tokens that sample.
+        sampling: the scheduled requests that sample, in the order of ``logits_indices``.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling: list[ScheduledRequest]
+
+
+def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: torch.device) -> ModelInput:
+    """Lay out a step: one-token sequences first (batched decode path), then multi-token ones."""
+    # one-token sequences sorted by context length, so that length groups are contiguous
+    decodes = sorted((s for s in out.scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
+    prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+    bs = kv.block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    logits_idx: list[int] = []
+    sampling: list[ScheduledRequest] = []
+    for s in decodes + prefills:
+        req, start, n = s.request, s.start, s.num_new_tokens
+        ids.extend(req.token_ids[start : start + n])
+        pos.extend(range(start, start + n))
+        slots.extend(kv.slot_mapping(req.request_id, start, start + n))
+        if s.samples:
+            logits_idx.append(len(ids) - 1)
+            sampling.append(s)
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    groups = []
+    i = 0
+    while i < len(decodes):
+        # a group spans context lengths (in blocks) within a factor of two: padding < 2x
+        lo = cdiv(decodes[i].start + 1, bs)
+        j = i
+        while j < len(decodes) and cdiv(decodes[j].start + 1, bs) <= 2 * lo:
+            j += 1
+        members = decodes[i:j]
+        width = cdiv(members[-1].start + 1, bs)
+        tables = [kv.get_block_table(s.request.request_id)[:width] for s in members]
+        ctx = t([s.start + 1 for s in members])
+        mask = (torch.arange(width * bs, device=device)[None, :] < ctx[:, None])[:, None, None, :]
+        groups.append(DecodeGroup(i, t([tb + [0] * (width - len(tb)) for tb in tables]), mask))
+        i = j
+    meta = AttentionMetadata(
+        slot_mapping=t(slots),
+        num_decode=len(decodes),
+        decode_groups=groups,
+        prefill_query_lens=[s.num_new_tokens for s in prefills],
+        prefill_context_lens=[s.start + s.num_new_tokens for s in prefills],
+        prefill_block_tables=[
+            t(kv.get_block_table(s.request.request_id)[: cdiv(s.start + s.num_new_tokens, bs)]) for s in prefills
+        ],
+    )
+    return ModelInput(t(ids), t(pos), meta, t(logits_idx), sampling)
+
+
+class LocalExecutor:
+    """Runs the model in this process and owns the KV cache tensors.
+
+    Args:
+        model: the loaded model (weights already on ``device`` in their dtype).
+        num_blocks, block_size: the pool's shape.
+        kv_dtype: dtype of the cache.
+        device: where the cache lives.
+
+    The cache of each layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device):
+        self.model = model
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, head_dim)
+        # torch.empty: pages are touched only when blocks are written
+        self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def execute_model(self, inp: ModelInput) -> torch.Tensor:
+        """Logits ``[num_sampling, vocab_size]`` (float32) of the sampling tokens."""
+        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.logits_indices)

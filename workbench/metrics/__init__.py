@@ -1,0 +1,6 @@
+"""Instrumentation: per-step StepStats, the Recorder and its sinks, per-request latency records."""
+
+from workbench.metrics.recorder import CallbackSink, JsonlSink, Recorder
+from workbench.metrics.stats import RequestRecord, StepStats, request_record
+
+__all__ = ["CallbackSink", "JsonlSink", "Recorder", "RequestRecord", "StepStats", "request_record"]

@@ -1,0 +1,109 @@
+"""One record per engine step (ARCHITECTURE §4) and one per finished request.
+
+Latency definitions follow vLLM's benchmarks (benchmarks/benchmark_serving.py):
+TTFT = first token time - arrival; TPOT = (e2e - TTFT) / (output tokens - 1);
+ITL = the gaps between consecutive output tokens; e2e = finish - arrival.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from workbench.request import Request
+
+
+@dataclass
+class StepStats:
+    """What one engine step did and where the KV pool stood after it.
+
+    Times in seconds (``time_s`` since the engine started); memory figures in token
+    slots (multiply by ``kv_bytes_per_token`` for bytes); see ARCHITECTURE §3.
+    ``token_states + reservation + internal_fragmentation + external_fragmentation + free
+    == num_blocks * block_size``.
+    """
+
+    step: int
+    time_s: float
+    wall_time_s: float
+    schedule_time_s: float
+    model_time_s: float
+    sample_time_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefill_reqs: int
+    num_decode_reqs: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_finished: int
+    num_blocks: int
+    blocks_used: int
+    blocks_free: int
+    block_size: int
+    kv_bytes_per_token: int
+    token_states: int
+    reservation: int
+    internal_fragmentation: int
+    external_fragmentation: int
+    free: int
+    kv_utilization: float
+    fragmentation_rate: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RequestRecord:
+    """Latency and size of one request. Times in seconds since the engine started."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str
+    error: str | None
+    arrival_time_s: float | None
+    first_scheduled_time_s: float | None
+    first_token_time_s: float | None
+    finish_time_s: float | None
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    queue_time_s: float | None
+    itl_s: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_prefill_chunks: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def request_record(req: Request, t0: float) -> RequestRecord:
+    """Build the record of a finished request; ``t0`` is the engine's start (perf_counter seconds)."""
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else t - t0
+
+    ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+    e2e = None if req.finish_time is None else req.finish_time - req.arrival_time
+    n = req.num_output_tokens
+    tpot = (e2e - ttft) / (n - 1) if (ttft is not None and e2e is not None and n > 1) else None
+    times = req.token_times
+    return RequestRecord(
+        request_id=req.request_id,
+        prompt_tokens=req.num_prompt_tokens,
+        output_tokens=n,
+        finish_reason=req.status.value,
+        error=req.error,
+        arrival_time_s=rel(req.arrival_time),
+        first_scheduled_time_s=rel(req.first_scheduled_time),
+        first_token_time_s=rel(req.first_token_time),
+        finish_time_s=rel(req.finish_time),
+        ttft_s=ttft,
+        tpot_s=tpot,
+        e2e_s=e2e,
+        queue_time_s=None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
+        itl_s=[b - a for a, b in zip(times, times[1:])],
+        num_preemptions=req.num_preemptions,
+        num_prefill_chunks=req.num_prefill_chunks,
+    )

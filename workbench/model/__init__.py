@@ -1,0 +1,1 @@
+"""Llama-family model with paged attention, and weight loading through transformers."""

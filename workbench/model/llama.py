@@ -1,0 +1,215 @@
+"""The Llama family with paged attention: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Architecture: Touvron et al., "LLaMA" (2023) and "Llama 2" (2023); RMSNorm (Zhang &
+Sennrich, 2019); RoPE (Su et al., 2021) in the rotate-half layout of HF transformers;
+GQA (Ainslie et al., 2023); SwiGLU (Shazeer, 2020). The RoPE frequencies come from
+transformers' own ``LlamaRotaryEmbedding`` so that every ``rope_type`` it knows
+(default, linear, dynamic, yarn, llama3, ...) matches it.
+
+The model runs a flat batch: all tokens of the step, ``[num_tokens]``, with their
+positions; K/V are written to and read from the paged cache through
+:class:`~workbench.attention.AttentionMetadata`. Q/K/V and gate/up projections are
+fused (one matmul each), as in vLLM and Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.attention import AttentionMetadata, paged_attention, write_kv
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 as HF's LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions ``0 .. max_positions-1``: ``[max_positions, head_dim]``."""
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        hf = LlamaRotaryEmbedding(config)
+        inv_freq = hf.inv_freq.float()
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = (inv_freq[:, None] @ pos[None, :]).T  # same op order as transformers
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * hf.attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * hf.attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their positions ``[T]``."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family decoder over a paged KV cache.
+
+    Args:
+        config: a transformers ``LlamaConfig`` (or any config with the same fields).
+        max_positions: length of the RoPE tables (the engine's ``max_model_len``).
+    """
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the step's tokens; return logits of the tokens that sample.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64.
+            positions: ``[num_tokens]`` int64, each token's position in its sequence.
+            kv_caches: per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            meta: the step's paged-attention layout.
+            logits_indices: ``[num_sampling]`` int64, the rows of the tokens that sample.
+
+        Returns:
+            ``[num_sampling, vocab_size]`` float32 logits.
+        """
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, cache, meta)
+        x = self.norm(x[logits_indices])
+        return F.linear(x, self.lm_head_weight).float()
+
+    # ---------------------------------------------------------------- weights
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in transformers' ``LlamaForCausalLM`` (``model.layers.N...``).
+
+        Raises:
+            KeyError: a tensor the model needs is missing (names it).
+            ValueError: a tensor has the wrong shape.
+        """
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return sd[name]
+            except KeyError:
+                raise KeyError(f"weight {name!r} is missing from the checkpoint") from None
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if param.shape != value.shape:
+                raise ValueError(f"weight {name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(value)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+        put(self.norm.weight, take("model.norm.weight"), "norm")
+        if self.lm_head is not None:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            put(a.qkv_proj.weight, qkv, p + "qkv_proj")
+            put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
+            if a.qkv_proj.bias is not None:
+                put(a.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv")
+            if a.o_proj.bias is not None:
+                put(a.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "o_proj.bias")
+            m = layer.mlp
+            gu = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(m.gate_up_proj.weight, gu, p + "gate_up_proj")
+            put(m.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
+            if m.down_proj.bias is not None:
+                put(m.gate_up_proj.bias, torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]), p)
+                put(m.down_proj.bias, take(p + "mlp.down_proj.bias"), p)
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"), p + "post_ln")
+
+    def weight_bytes(self) -> int:
+        """Bytes of all parameters (a tied LM head counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())

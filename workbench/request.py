@@ -1,0 +1,91 @@
+"""A request's state: WAITING -> RUNNING -> (PREEMPTED -> WAITING ->) FINISHED_*."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from workbench.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass
+class Request:
+    """One request inside the engine.
+
+    ``token_ids`` is the prompt followed by the output so far; ``num_computed_tokens``
+    counts the leading tokens whose K/V are in the cache. The tokens still to run
+    through the model are ``token_ids[num_computed_tokens:]`` (a prompt, a prompt's
+    remaining chunk, or the one token sampled last step).
+
+    Times are ``time.perf_counter()`` seconds.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    eos_token_id: int | None = None
+    max_total_len: int = 0  # max_model_len of the engine
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    error: str | None = None
+    # timing (perf_counter seconds)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_prefill_chunks: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        """Most output tokens this request can reach: ``max_tokens`` capped by ``max_model_len``."""
+        return min(self.sampling_params.max_tokens, self.max_total_len - self.num_prompt_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def check_stop(self) -> RequestStatus | None:
+        """Finish status after the last appended token, or ``None`` to go on."""
+        last = self.output_token_ids[-1]
+        sp = self.sampling_params
+        if not sp.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if last in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,1 @@
+"""Visualisation helpers for workbench runs (plotly HTML reports)."""
