@@ -21,7 +21,7 @@ run: venv
 	$(BIN)/workbench run
 
 lint: venv
-	$(BIN)/ruff check workbench tests benchmarks kernels
+	$(BIN)/ruff check .
 
 test: venv lint
 	$(BIN)/python -m pytest -q
