@@ -110,9 +110,10 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in meta.decode_groups:
         n, end = g.size, g.start + g.size
-        # [n, max_blocks, bs, nkv, d] -> [n, nkv, L, d]
-        kd = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)
-        vd = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2)
+        # gather whole blocks: [n * max_blocks, bs, nkv, d] -> [n, nkv, L, d]
+        flat = g.block_tables.flatten()
+        kd = k_cache.index_select(0, flat).view(n, -1, nkv, d).transpose(1, 2)
+        vd = v_cache.index_select(0, flat).view(n, -1, nkv, d).transpose(1, 2)
         qd = q[g.start : end].view(n, nkv, group, d)  # the query heads sharing a KV head
         o = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask, scale=scale)
         out[g.start : end] = o.reshape(n, nh, d)

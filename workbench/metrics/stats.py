@@ -16,7 +16,8 @@ from workbench.request import Request
 class StepStats:
     """What one engine step did and where the KV pool stood after it.
 
-    Times in seconds (``time_s`` since the engine started); memory figures in token
+    Times in seconds (``time_s`` since the engine started; ``model_time_s`` covers input
+    preparation and the forward; recording happens after ``wall_time_s`` is taken); memory figures in token
     slots (multiply by ``kv_bytes_per_token`` for bytes); see ARCHITECTURE §3.
     ``token_states + reservation + internal_fragmentation + external_fragmentation + free
     == num_blocks * block_size``.

@@ -1,0 +1,612 @@
+"""Offline throughput: the workbench engine against transformers' static and continuous batching.
+
+Three systems generate greedily for the same token-id prompts, with the same weights (the
+engine's cached HF folder of the bundled SmolLM2-135M-Instruct), in float32, on the CPU, with the
+same ``torch`` thread count:
+
+* ``engine``: ``LLM.generate`` (paged KV cache, continuous batching, chunked prefill).
+* ``hf-static``: ``model.generate`` over left-padded batches of ``--hf-batch-size`` prompts, in
+  prompt order. Padding waste: each batch is padded to its longest prompt, so the prefill computes
+  the pad positions too, and the pad positions stay in every sequence's KV cache and in every
+  decode step's attention (masked out, but computed) until the batch ends. The script counts
+  both (``padding`` in the JSON). With EOS ignored every sequence runs to ``--max-tokens``, so
+  there is no second source of waste here (finished sequences idling until the batch's longest
+  one ends), which real workloads with EOS would add.
+* ``hf-cb``: ``model.generate_batch`` (transformers 5's continuous batching), sized like the
+  engine: ``max_requests_per_batch = --max-num-seqs``, ``max_batch_tokens = --max-batch-tokens``,
+  and a paged cache large enough to hold every request at once (prefix sharing off by default,
+  as the engine has no prefix cache).
+
+EOS is ignored everywhere (``ignore_eos=True``; ``eos_token_id=None`` for ``generate``, which
+keeps the logits untouched unlike ``min_new_tokens``; ``eos_token_id=-1`` for ``generate_batch``,
+its own "disabled" value), so every request produces exactly ``--max-tokens`` tokens.
+
+Each system runs once on a few prompts (warm-up), then ``--repeats`` times on the full set,
+the systems interleaved round-robin; the table reports medians. Example::
+
+    python benchmarks/offline_throughput.py                     # full run (64 prompts x 128 tokens)
+    python benchmarks/offline_throughput.py --num-prompts 4 --max-tokens 8 --repeats 1   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHAREGPT_500 = REPO.parent / "shared" / "data" / "sharegpt" / "ShareGPT_V3_filtered_500.json"
+SYSTEMS = ("engine", "hf-static", "hf-cb")
+DEFAULT_OUT = REPO / "runs" / "bench" / "offline_throughput.json"
+_SENTINEL = "\u2063WORKBENCH_SENTINEL\u2063"
+
+
+# --------------------------------------------------------------------------- prompts & machine
+def load_token_prompts(tokenizer, num_prompts: int, max_prompt_len: int, dataset: str | None = None):
+    """The benchmark's token-id prompts and a description of where they came from.
+
+    The first ``num_prompts`` prompts of ``dataset`` (default: ShareGPT_V3_filtered_500.json in
+    ``../shared/data`` when present, else the project's default prompts), with the chat template
+    applied, encoded without extra special tokens, and cut to ``max_prompt_len`` tokens. A cut
+    keeps the template's closing tokens (end of the user turn and the assistant header), so a
+    truncated prompt still asks for an answer.
+    """
+    from workbench.bench.datasets import DEFAULT_PROMPTS_PATH, load_prompts
+
+    if dataset is not None:
+        path = Path(dataset)
+    elif SHAREGPT_500.exists():
+        path = SHAREGPT_500
+    else:
+        path = DEFAULT_PROMPTS_PATH
+    records = load_prompts(path, num_prompts)
+    if not records:
+        raise SystemExit(f"{path} has no prompts")
+    tail_len = _template_tail_len(tokenizer)
+    prompts: list[list[int]] = []
+    truncated = 0
+    for rec in records:
+        if rec.chat:
+            messages = rec.prompt if isinstance(rec.prompt, list) else [{"role": "user", "content": rec.prompt}]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            keep_tail = tail_len
+        else:  # a plain-text record: fed as is, as the engine does
+            ids = tokenizer.encode(rec.prompt, add_special_tokens=True)
+            keep_tail = 0
+        if len(ids) > max_prompt_len:
+            truncated += 1
+            keep_tail = min(keep_tail, max_prompt_len // 2)
+            ids = ids[: max_prompt_len - keep_tail] + (ids[len(ids) - keep_tail :] if keep_tail else [])
+        prompts.append(ids)
+    lens = [len(p) for p in prompts]
+    info = {
+        "source": str(path),
+        "num_prompts": len(prompts),
+        "max_prompt_len": max_prompt_len,
+        "num_truncated": truncated,
+        "chat_template_tail_tokens": tail_len,
+        "prompt_tokens": sum(lens),
+        "prompt_len_min": min(lens),
+        "prompt_len_median": statistics.median(lens),
+        "prompt_len_mean": sum(lens) / len(lens),
+        "prompt_len_max": max(lens),
+        "prompt_lens": lens,
+    }
+    return prompts, info
+
+
+def _template_tail_len(tokenizer) -> int:
+    """Tokens after the user's content in a templated prompt (end of turn + assistant header)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SENTINEL}], add_generation_prompt=True, tokenize=False
+    )
+    tail = text.split(_SENTINEL)[-1]
+    return len(tokenizer.encode(tail, add_special_tokens=False)) if tail else 0
+
+
+def machine_info() -> dict:
+    """CPU, core count, memory, library versions, thread settings and the date."""
+    import transformers
+
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_total_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_total_gib = round(int(line.split()[1]) / 2**20, 2)
+                break
+    except OSError:
+        pass
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = None
+    info = {
+        "date": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_model": cpu_model or platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "cpus_available": affinity,
+        "mem_total_gib": mem_total_gib,
+        "loadavg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "transformers": transformers.__version__,
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if os.environ.get(k)},
+    }
+    load = info["loadavg_1m_at_start"]
+    if load is not None and load > 0.5:
+        print(
+            f"# WARNING: 1-minute load average is {load:.2f} at start: if other processes are still running they "
+            "compete for the CPU (with torch's OpenMP threads that can slow a run many-fold); check `uptime`/`top`",
+            flush=True,
+        )
+    return info
+
+
+def load_engine(max_num_seqs: int, max_batch_tokens: int):
+    """The workbench engine on the bundled model, float32."""
+    from workbench import LLM
+
+    return LLM(dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batch_tokens)
+
+
+# --------------------------------------------------------------------------- systems
+def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    from workbench import SamplingParams
+
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    first = len(eng.recorder.steps)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    wall = time.perf_counter() - t0
+    steps = eng.recorder.steps[first:]
+    errors = [o.error for o in outs if o.error]
+    return {
+        "wall_s": wall,
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "errors": errors,
+        "num_steps": len(steps),
+        "step_time_s": {
+            "wall": sum(s.wall_time_s for s in steps),
+            "schedule": sum(s.schedule_time_s for s in steps),
+            "model": sum(s.model_time_s for s in steps),
+            "sample": sum(s.sample_time_s for s in steps),
+        },
+        "num_preemptions": sum(s.num_preemptions for s in steps),
+    }
+
+
+def run_hf_static(model, prompts: list[list[int]], max_tokens: int, batch_size: int, pad_id: int) -> dict:
+    """``model.generate`` on left-padded batches, in prompt order; times each batch."""
+    outputs: list[list[int]] = []
+    batches = []
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], dtype=torch.long)
+        tb = time.perf_counter()
+        out = model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+        )
+        batches.append({"size": len(chunk), "width": width, "wall_s": time.perf_counter() - tb})
+        outputs.extend(out[:, width:].tolist())
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "outputs": outputs, "errors": [], "batches": batches}
+
+
+def static_padding(prompts: list[list[int]], batch_size: int, max_tokens: int) -> dict:
+    """How much of static batching's work is padding (prefill positions and KV/attention slots)."""
+    real_prefill = computed_prefill = kv_used = kv_alloc = 0
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        real_prefill += sum(len(p) for p in chunk)
+        computed_prefill += len(chunk) * width
+        # token-slots held in the KV cache at the end of the batch (decode attends over all of them)
+        kv_used += sum(len(p) + max_tokens for p in chunk)
+        kv_alloc += len(chunk) * (width + max_tokens)
+    return {
+        "prefill_tokens_real": real_prefill,
+        "prefill_tokens_computed": computed_prefill,
+        "prefill_pad_fraction": 1 - real_prefill / computed_prefill,
+        "kv_slots_used": kv_used,
+        "kv_slots_allocated": kv_alloc,
+        "kv_pad_fraction": 1 - kv_used / kv_alloc,
+    }
+
+
+def hf_cb_configs(prompts, max_tokens: int, args, pad_id: int):
+    """GenerationConfig and ContinuousBatchingConfig for ``generate_batch``, plus notes on options
+    this transformers version lacks."""
+    from transformers import GenerationConfig
+
+    notes: list[str] = []
+    gen = GenerationConfig(
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=-1,  # generate_batch's "no EOS"; None would fall back to the model config's EOS
+        pad_token_id=pad_id,
+    )
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        try:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        except ImportError:
+            notes.append("ContinuousBatchingConfig is not available: generate_batch runs with its defaults")
+            return gen, None, {}, notes
+    page = args.hf_cb_page_size
+    need = sum(-(-(len(p) + max_tokens) // page) for p in prompts)
+    # room for every request at once, above the scheduler's safety margin (no eviction)
+    num_blocks = args.hf_cb_num_blocks or int(need / 0.75) + 2
+    wanted = {
+        "page_size": page,
+        "num_blocks": num_blocks,
+        "max_batch_tokens": args.max_batch_tokens,
+        "max_requests_per_batch": args.max_num_seqs,
+        "allow_block_sharing": args.hf_cb_block_sharing,
+        "seed": 0,
+    }
+    known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    used = {k: v for k, v in wanted.items() if k in known}
+    for k in wanted.keys() - known:
+        notes.append(f"ContinuousBatchingConfig has no {k!r} in this transformers version: left to its default")
+    return gen, ContinuousBatchingConfig, used, notes
+
+
+def run_hf_cb(model, prompts: list[list[int]], gen_config, cb_class, cb_kwargs: dict) -> dict:
+    """``model.generate_batch``: builds its manager and paged cache, runs, tears them down."""
+    seen: set[tuple[str, int]] = set()
+
+    def hook(_module, _inputs):  # which thread runs the model, with how many torch threads
+        seen.add((threading.current_thread().name, torch.get_num_threads()))
+
+    handle = model.register_forward_pre_hook(hook)
+    kwargs = {"generation_config": gen_config, "progress_bar": False}
+    if cb_class is not None:
+        kwargs["continuous_batching_config"] = cb_class(**cb_kwargs)
+    try:
+        t0 = time.perf_counter()
+        res = model.generate_batch(prompts, **kwargs)
+        wall = time.perf_counter() - t0
+    finally:
+        handle.remove()
+    results = list(res.values())  # generate_batch returns them in input order
+    errors = [r.error for r in results if r.error is not None]
+    if len(results) != len(prompts):
+        errors.append(f"generate_batch returned {len(results)} results for {len(prompts)} prompts")
+    starts = [r.lifespan[0] for r in results if r.lifespan[0] > 0]
+    ends = [r.lifespan[1] for r in results if r.lifespan[1] > 0]
+    return {
+        "wall_s": wall,
+        "outputs": [list(r.generated_tokens) for r in results],
+        "errors": errors,
+        # time from the call to the first request leaving "pending" (manager + cache setup, first schedule)
+        "first_request_start_s": (min(starts) - t0) if starts else None,
+        # time from the last request finishing to the call returning (thread stop, teardown)
+        "after_last_finish_s": (t0 + wall - max(ends)) if ends else None,
+        "model_threads": sorted(f"{name}:{n}" for name, n in seen),
+    }
+
+
+# --------------------------------------------------------------------------- reporting
+def compare(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Token-for-token agreement of two systems' outputs."""
+    equal = 0
+    prefixes = []
+    for x, y in zip(a, b):
+        n = 0
+        for u, v in zip(x, y):
+            if u != v:
+                break
+            n += 1
+        if x == y:
+            equal += 1
+        prefixes.append(n)
+    return {
+        "equal": equal,
+        "total": min(len(a), len(b)),
+        "common_prefix_tokens": prefixes,
+        "mean_common_prefix": sum(prefixes) / len(prefixes) if prefixes else 0.0,
+    }
+
+
+def digest(outputs: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
+
+
+def summarize(name: str, runs: list[dict], prompt_tokens: int) -> dict:
+    walls = [r["wall_s"] for r in runs]
+    med = statistics.median(walls)
+    out_tokens = sum(len(o) for o in runs[0]["outputs"])
+    return {
+        "system": name,
+        "wall_s": walls,
+        "median_wall_s": med,
+        "min_wall_s": min(walls),
+        "max_wall_s": max(walls),
+        "output_tokens": out_tokens,
+        "prompt_tokens": prompt_tokens,
+        "output_tok_per_s": out_tokens / med,
+        "total_tok_per_s": (out_tokens + prompt_tokens) / med,
+        "deterministic_across_repeats": len({digest(r["outputs"]) for r in runs}) == 1,
+    }
+
+
+def markdown_table(summaries: dict[str, dict]) -> str:
+    eng = summaries.get("engine")
+    lines = [
+        "| system | median wall (s) | min-max (s) | output tok/s | total tok/s | engine speedup |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in summaries.items():
+        speed = "1.00x" if name == "engine" else (f"{s['median_wall_s'] / eng['median_wall_s']:.2f}x" if eng else "-")
+        lines.append(
+            f"| {name} | {s['median_wall_s']:.2f} | {s['min_wall_s']:.2f}-{s['max_wall_s']:.2f} | "
+            f"{s['output_tok_per_s']:.1f} | {s['total_tok_per_s']:.1f} | {speed} |"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=64, help="first N prompts of the dataset (default 64)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request, EOS ignored (default 128)")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="cut prompts to this many tokens (default 1024)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per system after one warm-up (default 3)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="hf-static: prompts per padded batch (default 16)")
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="engine max_num_seqs = hf-cb max_requests_per_batch")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=2048,
+        help="engine max_num_batched_tokens = hf-cb max_batch_tokens (default 2048, the engine's default)",
+    )
+    p.add_argument("--hf-cb-page-size", type=int, default=256, help="hf-cb page_size (default 256, HF's default)")
+    p.add_argument(
+        "--hf-cb-num-blocks", type=int, default=None, help="hf-cb num_blocks (default: room for every request)"
+    )
+    p.add_argument(
+        "--hf-cb-block-sharing", action="store_true", help="hf-cb: allow prefix block sharing (off: engine has none)"
+    )
+    p.add_argument("--warmup-prompts", type=int, default=4, help="prompts in each system's warm-up run (default 4)")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="output tokens in the warm-up run (default 8)")
+    p.add_argument("--dataset", default=None, help="prompt file (default: ShareGPT 500 if present, else defaults)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON output (default {DEFAULT_OUT.relative_to(REPO)})")
+    args = p.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        p.error(f"--systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
+    args.systems = [s for s in SYSTEMS if s in systems]
+    for name in ("num_prompts", "max_tokens", "max_prompt_len", "repeats", "hf_batch_size", "warmup_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    machine = machine_info()
+    print(
+        f"# {machine['cpu_model']} | {machine['cpus_available']} CPUs | torch {machine['torch']} "
+        f"({machine['torch_num_threads']} threads) | transformers {machine['transformers']}",
+        flush=True,
+    )
+
+    llm = load_engine(args.max_num_seqs, args.max_batch_tokens)  # also resolves the model folder
+    eng = llm.llm_engine
+    tokenizer = eng.tokenizer
+    prompts, prompt_info = load_token_prompts(tokenizer, args.num_prompts, args.max_prompt_len, args.dataset)
+    print(
+        f"# {prompt_info['num_prompts']} prompts from {prompt_info['source']}: "
+        f"{prompt_info['prompt_tokens']} prompt tokens (len {prompt_info['prompt_len_min']}-"
+        f"{prompt_info['prompt_len_max']}, median {prompt_info['prompt_len_median']}, "
+        f"{prompt_info['num_truncated']} truncated to {args.max_prompt_len}); {args.max_tokens} output tokens each",
+        flush=True,
+    )
+    warm_prompts = prompts[: args.warmup_prompts]
+
+    model = None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eng.eos_token_id
+    if "engine" not in args.systems:
+        del llm
+        llm = None
+        gc.collect()
+    if {"hf-static", "hf-cb"} & set(args.systems):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(eng.model_folder), dtype=torch.float32).eval()
+
+    cb_gen = cb_class = None
+    cb_kwargs: dict = {}
+    notes: list[str] = []
+    if "hf-cb" in args.systems:
+        cb_gen, cb_class, cb_kwargs, notes = hf_cb_configs(prompts, args.max_tokens, args, pad_id)
+        for n in notes:
+            print(f"# note: {n}", flush=True)
+
+    def run(system: str, ps: list[list[int]], max_tokens: int) -> dict:
+        gc.collect()
+        if system == "engine":
+            return run_engine(llm, ps, max_tokens)
+        if system == "hf-static":
+            return run_hf_static(model, ps, max_tokens, args.hf_batch_size, pad_id)
+        gen = cb_gen
+        if max_tokens != args.max_tokens:
+            gen = copy.deepcopy(cb_gen)
+            gen.max_new_tokens = max_tokens
+        return run_hf_cb(model, ps, gen, cb_class, cb_kwargs)
+
+    warmup: dict[str, float] = {}
+    for system in args.systems:
+        r = run(system, warm_prompts, args.warmup_tokens)
+        warmup[system] = r["wall_s"]
+        print(f"# warm-up {system}: {r['wall_s']:.2f}s", flush=True)
+
+    runs: dict[str, list[dict]] = {s: [] for s in args.systems}
+    for rep in range(args.repeats):
+        for system in args.systems:  # interleaved, so that drift hits every system alike
+            r = run(system, prompts, args.max_tokens)
+            runs[system].append(r)
+            n_out = sum(len(o) for o in r["outputs"])
+            print(f"# repeat {rep + 1}/{args.repeats} {system}: {r['wall_s']:.2f}s, {n_out} output tokens", flush=True)
+            if r["errors"]:
+                print(f"#   {system} errors: {r['errors'][:3]}", flush=True)
+
+    prompt_tokens = prompt_info["prompt_tokens"]
+    summaries = {s: summarize(s, runs[s], prompt_tokens) for s in args.systems}
+    expected = len(prompts) * args.max_tokens
+    for s in summaries.values():
+        s["all_outputs_full_length"] = s["output_tokens"] == expected
+
+    ratios = {}
+    if "engine" in summaries:
+        e = summaries["engine"]["median_wall_s"]
+        for other, key in (("hf-static", "engine_vs_hf_static"), ("hf-cb", "engine_vs_hf_cb")):
+            if other in summaries:
+                ratios[key] = summaries[other]["median_wall_s"] / e
+    agreement = {}
+    for a, b in (("engine", "hf-static"), ("engine", "hf-cb"), ("hf-static", "hf-cb")):
+        if a in runs and b in runs:
+            agreement[f"{a}|{b}"] = compare(runs[a][0]["outputs"], runs[b][0]["outputs"])
+
+    print()
+    print(
+        f"Offline throughput: {len(prompts)} prompts ({prompt_tokens} prompt tokens), {args.max_tokens} output "
+        f"tokens each, greedy, float32, {torch.get_num_threads()} torch threads, median of {args.repeats}"
+    )
+    print()
+    print(markdown_table(summaries))
+    print()
+    if "engine_vs_hf_static" in ratios:
+        print(f"engine / HF static     throughput: {ratios['engine_vs_hf_static']:.2f}x")
+    if "engine_vs_hf_cb" in ratios:
+        print(f"engine / HF continuous throughput: {ratios['engine_vs_hf_cb']:.2f}x")
+    for key, c in agreement.items():
+        a, b = key.split("|")
+        print(
+            f"greedy outputs equal token for token, {a} vs {b}: {c['equal']}/{c['total']} "
+            f"(mean common prefix {c['mean_common_prefix']:.1f}/{args.max_tokens} tokens)"
+        )
+    for s in summaries.values():
+        if not s["all_outputs_full_length"]:
+            print(f"WARNING: {s['system']} produced {s['output_tokens']} output tokens, expected {expected}")
+        if not s["deterministic_across_repeats"]:
+            print(f"WARNING: {s['system']}'s outputs differ between repeats")
+    padding = None
+    if "hf-static" in runs:
+        padding = static_padding(prompts, args.hf_batch_size, args.max_tokens)
+        print(
+            f"hf-static padding (batches of {args.hf_batch_size}): {padding['prefill_pad_fraction']:.1%} of prefill "
+            f"positions, {padding['kv_pad_fraction']:.1%} of KV slots are padding"
+        )
+    if "hf-cb" in runs:
+        r = runs["hf-cb"][0]
+        start = r["first_request_start_s"]
+        print(
+            f"hf-cb: {cb_kwargs or 'defaults'}; model ran in {r['model_threads']} (thread:torch threads); "
+            f"first request left 'pending' {start if start is None else round(start, 3)}s after the call"
+        )
+
+    strip = {"outputs"}
+    report = {
+        "benchmark": "offline_throughput",
+        "command": " ".join(["python", "benchmarks/offline_throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine,
+        "settings": {
+            "systems": args.systems,
+            "num_prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "max_prompt_len": args.max_prompt_len,
+            "repeats": args.repeats,
+            "order": "one warm-up per system, then repeats interleaved round-robin over systems",
+            "warmup_prompts": len(warm_prompts),
+            "warmup_tokens": args.warmup_tokens,
+            "dtype": "float32",
+            "greedy": True,
+            "ignore_eos": True,
+            "torch_num_threads": torch.get_num_threads(),
+            "threads_arg": args.threads,
+            "model_folder": str(eng.model_folder),
+            "engine": {
+                "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": eng.max_num_batched_tokens,
+                "block_size": eng.config.block_size,
+                "num_blocks": eng.memory.num_blocks,
+                "kv_pool_tokens": eng.kv.pool_tokens,
+                "enable_chunked_prefill": eng.config.enable_chunked_prefill,
+            },
+            "hf_static": {"batch_size": args.hf_batch_size, "padding_side": "left", "pad_token_id": pad_id},
+            "hf_cb": {
+                "continuous_batching_config": cb_kwargs,
+                "generation_config": cb_gen.to_diff_dict() if cb_gen is not None else None,
+                "notes": notes,
+            },
+            "hf_attn_implementation": getattr(model.config, "_attn_implementation", None) if model else None,
+        },
+        "prompts": prompt_info,
+        "warmup_wall_s": warmup,
+        "summary": summaries,
+        "ratios_from_medians": ratios,
+        "agreement": agreement,
+        "hf_static_padding": padding,
+        "runs": {s: [{k: v for k, v in r.items() if k not in strip} for r in rs] for s, rs in runs.items()},
+        "outputs_first_repeat": {s: rs[0]["outputs"] for s, rs in runs.items()},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
