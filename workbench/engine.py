@@ -190,8 +190,11 @@ class LLMEngine:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        tokenized: tuple[list[int], str | None] | None = None,
     ) -> str:
         """Queue a request; return its id.
+
+        ``tokenized`` = the ``(token_ids, text)`` of :meth:`tokenize` when the caller already has them.
 
         A prompt that can never run (longer than ``max_model_len`` allows, or than the KV pool
         holds) does not raise: the request ends at the next step with ``finish_reason="error"``
@@ -201,7 +204,7 @@ class LLMEngine:
             ValueError: an empty prompt, an out-of-vocabulary token id, or a duplicate request id.
         """
         sp = sampling_params or SamplingParams()
-        ids, text = self.tokenize(prompt)
+        ids, text = tokenized if tokenized is not None else self.tokenize(prompt)
         if request_id is None:
             request_id = str(self._counter)
         if request_id in self.requests:
@@ -261,6 +264,10 @@ class LLMEngine:
         t_start = time.perf_counter()
         out = self.scheduler.schedule()
         t_sched = time.perf_counter()
+        if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
+            # cannot happen while the pool holds one max_model_len sequence (checked at startup);
+            # fail loudly rather than spin
+            raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting requests")
         model_s = sample_s = 0.0
         if not out.is_empty:
             inp = prepare_inputs(out, self.kv, self.device)
@@ -384,11 +391,10 @@ class LLM:
             raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
         eng = self.llm_engine
         tokenized = [eng.tokenize(p) for p in prompts]  # validate all before queueing any
-        del tokenized
         base = eng._counter
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        for rid, p, sp in zip(ids, prompts, sps):
-            eng.add_request(rid, p, sp)
+        for rid, p, sp, tok in zip(ids, prompts, sps, tokenized):
+            eng.add_request(rid, p, sp, tokenized=tok)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
