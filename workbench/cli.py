@@ -76,6 +76,7 @@ def engine_options(f):
         click.option("--num-gpu-blocks-override", default=None, type=int),
         click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, show_default=True),
         click.option("--long-prefill-token-threshold", default=0, show_default=True, type=int),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=False, show_default=True),
         click.option("--kv-cache-dtype", default="auto", show_default=True),
     ]
     for o in reversed(opts):

@@ -80,6 +80,8 @@ class EngineConfig:
         enable_chunked_prefill: split long prompts across steps to fit the token budget.
         long_prefill_token_threshold: most prompt tokens one request may take in a
             step when chunked prefill is on (0 = no cap beyond the budget).
+        enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (content-hashed
+            full blocks, LRU eviction of freed cached blocks).
         kv_cache_dtype: ``"auto"`` = ``dtype``.
         cache_dir: where converted weights are cached (default ``~/.cache/workbench``,
             or ``$WORKBENCH_CACHE``).
@@ -101,6 +103,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = False
     kv_cache_dtype: str = "auto"
     cache_dir: str | None = None
     extra: dict = field(default_factory=dict)

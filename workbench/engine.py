@@ -130,7 +130,7 @@ class LLMEngine:
             num_gpu_blocks_override=config.num_gpu_blocks_override,
         )
         log.info(self.memory.summary_line())
-        self.kv = KVCacheManager(self.memory.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -314,6 +314,9 @@ class LLMEngine:
             free=usage.free,
             kv_utilization=usage.kv_utilization,
             fragmentation_rate=usage.fragmentation_rate,
+            num_cached_free_blocks=self.kv.pool.num_cached_free_blocks if self.kv.enable_prefix_caching else 0,
+            prefix_cache_queries=out.prefix_cache_queries,
+            prefix_cache_hits=out.prefix_cache_hits,
         )
         self._step += 1
         self.recorder.record_step(st)

@@ -52,6 +52,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     num_prefill_chunks: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
 
     @property
     def token_ids(self) -> list[int]:

@@ -52,6 +52,10 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    #: prompt tokens looked up in the prefix cache at first admission, and those found
+    #: (re-admissions after preemption are not counted)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -109,9 +113,11 @@ class Scheduler:
             self.waiting.remove(request)
 
     # ------------------------------------------------------------------ step
-    def _chunk(self, request: Request, budget: int) -> int:
+    def _chunk(self, request: Request, budget: int, computed: int | None = None) -> int:
         """Tokens the request takes this step, or 0 when it must wait for a later step."""
-        remaining = request.num_tokens - request.num_computed_tokens
+        if computed is None:
+            computed = request.num_computed_tokens
+        remaining = request.num_tokens - computed
         n = remaining
         if self.long_prefill_token_threshold and n > 1:
             n = min(n, self.long_prefill_token_threshold)
@@ -166,11 +172,18 @@ class Scheduler:
         # 2. waiting requests, FCFS, only when nothing was preempted this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            n = self._chunk(req, budget)
+            hits = self.kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else []
+            computed = req.num_computed_tokens + len(hits) * self.kv.block_size
+            n = self._chunk(req, budget, computed)
             if n == 0:
                 break
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            if not self.kv.allocate_slots(req.request_id, computed + n, hits):
                 break
+            if self.kv.enable_prefix_caching and req.num_preemptions == 0:
+                out.prefix_cache_queries += req.num_prompt_tokens
+                out.prefix_cache_hits += computed
+                req.num_cached_tokens = computed
+            req.num_computed_tokens = computed
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -205,6 +218,10 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            if self.kv.enable_prefix_caching and (
+                req.num_computed_tokens // self.kv.block_size > self.kv.num_hashed_blocks(req.request_id)
+            ):
+                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue

@@ -49,6 +49,9 @@ class StepStats:
     free: int
     kv_utilization: float
     fragmentation_rate: float
+    num_cached_free_blocks: int = 0  # free blocks still holding a prefix-cached block
+    prefix_cache_queries: int = 0  # prompt tokens looked up this step (first admissions only)
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +77,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     num_prefill_chunks: int = 0
+    num_cached_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,4 +111,5 @@ def request_record(req: Request, t0: float) -> RequestRecord:
         itl_s=[b - a for a, b in zip(times, times[1:])],
         num_preemptions=req.num_preemptions,
         num_prefill_chunks=req.num_prefill_chunks,
+        num_cached_tokens=req.num_cached_tokens,
     )
