@@ -54,7 +54,7 @@ def test_missing_model_path_fails_before_loading(tmp_path, monkeypatch):
         ({"top_p": 0.0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
-        ({"n": 2}, "n=2"),
+        ({"n": 0}, "n=0"),
     ],
 )
 def test_bad_sampling_params(kwargs, word):

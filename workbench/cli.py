@@ -77,6 +77,17 @@ def engine_options(f):
         click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, show_default=True),
         click.option("--long-prefill-token-threshold", default=0, show_default=True, type=int),
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=False, show_default=True),
+        click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True),
+        click.option(
+            "--preemption-mode", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True
+        ),
+        click.option(
+            "--swap-space",
+            default=4.0,
+            show_default=True,
+            type=float,
+            help="CPU swap pool (GiB) for --preemption-mode swap",
+        ),
         click.option("--kv-cache-dtype", default="auto", show_default=True),
     ]
     for o in reversed(opts):

@@ -80,6 +80,10 @@ class EngineConfig:
         enable_chunked_prefill: split long prompts across steps to fit the token budget.
         long_prefill_token_threshold: most prompt tokens one request may take in a
             step when chunked prefill is on (0 = no cap beyond the budget).
+        scheduling_policy: ``"fcfs"`` or ``"priority"`` (lower request priority value first).
+        preemption_mode: ``"recompute"`` or ``"swap"`` (to a CPU pool of ``swap_space`` GiB;
+            falls back to recompute when that pool is full).
+        swap_space: CPU swap pool in GiB (used with ``preemption_mode="swap"``).
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (content-hashed
             full blocks, LRU eviction of freed cached blocks).
         kv_cache_dtype: ``"auto"`` = ``dtype``.
@@ -104,6 +108,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = False
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
     kv_cache_dtype: str = "auto"
     cache_dir: str | None = None
     extra: dict = field(default_factory=dict)
@@ -161,6 +168,12 @@ class EngineConfig:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an "
                 "integer >= 0 (0 = no cap)"
             )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' or 'priority'")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space={self.swap_space!r} must be >= 0 (GiB of CPU memory for swapped blocks)")
         resolve_dtype(self.dtype)
         if self.kv_cache_dtype != "auto":
             resolve_dtype(self.kv_cache_dtype)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workbench.config import EngineConfig
+from workbench.config import EngineConfig, GiB
 from workbench.executor.local import LocalExecutor, prepare_inputs
 from workbench.kv.manager import KVCacheManager
 from workbench.memory import MemoryBudget, plan_memory
@@ -130,18 +130,31 @@ class LLMEngine:
             num_gpu_blocks_override=config.num_gpu_blocks_override,
         )
         log.info(self.memory.summary_line())
-        self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
+        num_cpu_blocks = 0
+        if config.preemption_mode == "swap":
+            num_cpu_blocks = int(config.swap_space * GiB) // self.memory.block_bytes
+        self.kv = KVCacheManager(
+            self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
+        )
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            scheduling_policy=config.scheduling_policy,
+            preemption_mode=config.preemption_mode,
         )
         self.executor = LocalExecutor(
-            self.model, self.memory.num_blocks, config.block_size, config.kv_torch_dtype, self.device
+            self.model,
+            self.memory.num_blocks,
+            config.block_size,
+            config.kv_torch_dtype,
+            self.device,
+            num_cpu_blocks=num_cpu_blocks,
         )
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every unfinished sequence, by its own id
+        self.groups: dict[str, list[Request]] = {}  # the user's request id -> its n sequences
         self._generators: dict[str, torch.Generator | None] = {}
         self._refused: list[Request] = []
         self._counter = 0
@@ -191,10 +204,14 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         tokenized: tuple[list[int], str | None] | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request; return its id.
 
         ``tokenized`` = the ``(token_ids, text)`` of :meth:`tokenize` when the caller already has them.
+        ``priority``: lower values are served first under ``scheduling_policy="priority"``.
+        With ``sampling_params.n > 1`` the request runs as n sequences that share the prompt's
+        blocks; its output (one ``RequestOutput`` with n ``outputs``) comes when all n finish.
 
         A prompt that can never run (longer than ``max_model_len`` allows, or than the KV pool
         holds) does not raise: the request ends at the next step with ``finish_reason="error"``
@@ -207,24 +224,33 @@ class LLMEngine:
         ids, text = tokenized if tokenized is not None else self.tokenize(prompt)
         if request_id is None:
             request_id = str(self._counter)
-        if request_id in self.requests:
+        if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in the engine; use a unique id")
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling_params=sp,
-            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-            prompt=text,
-            eos_token_id=self.eos_token_id,
-            max_total_len=self.max_model_len,
-        )
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
         seed = sp.seed if sp.seed is not None else self.config.seed * 1_000_003 + self._counter
         self._counter += 1
-        self.requests[request_id] = req
-        if not sp.greedy:
-            g = torch.Generator(device="cpu")
-            g.manual_seed(seed)
-            self._generators[request_id] = g
+        group = []
+        for i in range(sp.n):
+            child = Request(
+                request_id=request_id if sp.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=ids,
+                sampling_params=sp,
+                arrival_time=arrival,
+                prompt=text,
+                eos_token_id=self.eos_token_id,
+                max_total_len=self.max_model_len,
+                priority=priority,
+                parent_id=request_id,
+                index=i,
+            )
+            group.append(child)
+            self.requests[child.request_id] = child
+            if not sp.greedy:
+                g = torch.Generator(device="cpu")
+                g.manual_seed(seed + i)
+                self._generators[child.request_id] = g
+        self.groups[request_id] = group
+        req = group[0]
         n = len(ids)
         if n >= self.max_model_len:
             req.error = (
@@ -238,20 +264,24 @@ class LLMEngine:
                 "or give the KV cache more memory"
             )
         if req.error:
-            req.status = RequestStatus.FINISHED_ERROR
-            req.finish_time = req.arrival_time
-            self._refused.append(req)
+            for child in group:
+                child.error = req.error
+                child.status = RequestStatus.FINISHED_ERROR
+                child.finish_time = child.arrival_time
+                self._refused.append(child)
         else:
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(req, group[1:])
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """End a request in any state, releasing its blocks (no-op when already finished)."""
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        self._refused.append(req)  # reported at the next step
+        """End a request in any state (waiting, running, swapped out), releasing everything it holds.
+
+        No-op for an unknown or already finished request.
+        """
+        for req in self.groups.get(request_id, ()):
+            if not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                self._refused.append(req)  # reported at the next step
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._refused)
@@ -269,6 +299,8 @@ class LLMEngine:
             # fail loudly rather than spin
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting requests")
         model_s = sample_s = 0.0
+        if out.swap_out or out.block_copies or out.swap_in:
+            self.executor.copy_blocks(out.swap_out, out.block_copies, out.swap_in)
         if not out.is_empty:
             inp = prepare_inputs(out, self.kv, self.device)
             logits = self.executor.execute_model(inp)
@@ -279,9 +311,17 @@ class LLMEngine:
             model_s, sample_s = t_model - t_sched, t_end - t_model
             finished += self.scheduler.update(out, {r.request_id: t for r, t in zip(reqs, toks)}, t_end)
         t_end = time.perf_counter()
-        if not out.is_empty or finished:
+        if not out.is_empty or finished or out.preempted:
             self._record_step(out, finished, t_start, t_end, t_sched - t_start, model_s, sample_s)
-        return [self._output(r) for r in finished]
+        outputs = []
+        for r in finished:
+            self.requests.pop(r.request_id, None)
+            self._generators.pop(r.request_id, None)
+            group = self.groups.get(r.parent_id)
+            if group is not None and all(c.is_finished for c in group):
+                del self.groups[r.parent_id]
+                outputs.append(self._output(group))
+        return outputs
 
     def _record_step(self, out, finished, t_start, t_end, sched_s, model_s, sample_s) -> None:
         running = self.scheduler.running
@@ -301,6 +341,12 @@ class LLMEngine:
             num_running=len(running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=len(out.preempted),
+            num_preempted_recompute=out.num_preempted_recompute,
+            num_preempted_swap=out.num_preempted_swap,
+            num_swapped=len(self.scheduler.swapped),
+            swap_out_blocks=len(out.swap_out),
+            swap_in_blocks=len(out.swap_in),
+            cow_block_copies=len(out.block_copies),
             num_finished=len(finished),
             num_blocks=self.kv.num_blocks,
             blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
@@ -323,21 +369,22 @@ class LLMEngine:
         for r in finished:
             self.recorder.record_request(request_record(r, self.start_time))
 
-    def _output(self, req: Request) -> RequestOutput:
-        self._generators.pop(req.request_id, None)
-        self.requests.pop(req.request_id, None)
-        text = ""
-        if self.tokenizer is not None and req.output_token_ids:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        rec = request_record(req, self.start_time)
+    def _output(self, group: list[Request]) -> RequestOutput:
+        outs = []
+        for req in group:
+            text = ""
+            if self.tokenizer is not None and req.output_token_ids:
+                text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            outs.append(CompletionOutput(req.index, text, list(req.output_token_ids), req.status.value))
+        first = group[0]
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(req.output_token_ids), req.status.value)],
+            request_id=first.parent_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outs,
             finished=True,
-            error=req.error,
-            metrics=rec.to_dict(),
+            error=first.error,
+            metrics=request_record(first, self.start_time).to_dict(),
         )
 
 
@@ -372,6 +419,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched by the engine; outputs come in the prompts' order.
 
@@ -379,6 +427,7 @@ class LLM:
             prompts: one prompt or a list (strings, token-id lists, or chat message lists).
             sampling_params: one for all, or one per prompt.
             use_tqdm: show a progress bar of finished requests (or a tqdm-like factory).
+            priority: one per prompt (lower = sooner) under ``scheduling_policy="priority"``.
 
         Raises:
             ValueError: an empty prompt or a mismatched number of sampling params; raised before
@@ -396,8 +445,11 @@ class LLM:
         tokenized = [eng.tokenize(p) for p in prompts]  # validate all before queueing any
         base = eng._counter
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        for rid, p, sp, tok in zip(ids, prompts, sps, tokenized):
-            eng.add_request(rid, p, sp, tokenized=tok)
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"{len(prios)} priorities for {len(prompts)} prompts; give one per prompt")
+        for rid, p, sp, tok, pr in zip(ids, prompts, sps, tokenized, prios):
+            eng.add_request(rid, p, sp, tokenized=tok, priority=pr)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

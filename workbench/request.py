@@ -52,7 +52,10 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     num_prefill_chunks: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_cached_tokens: int = 0
+    priority: int = 0  # lower value = served first under scheduling_policy="priority" (vLLM's convention)
+    parent_id: str | None = None  # the user's request id, for a parallel-sampling sibling
+    index: int = 0  # which of the n sequences this is  # prompt tokens served from the prefix cache at first admission
 
     @property
     def token_ids(self) -> list[int]:

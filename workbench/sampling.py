@@ -26,7 +26,7 @@ class SamplingParams:
         max_tokens: most new tokens to generate.
         stop_token_ids: token ids that end the request (kept in the output).
         ignore_eos: keep generating past the model's EOS token.
-        n: number of output sequences (only 1 is supported by this engine version).
+        n: output sequences per prompt; they share the prompt's KV blocks (copy-on-write).
 
     Raises:
         ValueError: on construction, when a field is out of range (names the value and the fix).
@@ -50,8 +50,8 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be -1 (all tokens) or a positive count")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if self.n != 1:
-            raise ValueError(f"n={self.n}: parallel sampling is not supported yet; use n=1")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={self.n!r} must be an integer >= 1 (sequences per prompt)")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     @property

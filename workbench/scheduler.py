@@ -7,7 +7,8 @@ Each step (Orca, Yu et al., OSDI 2022; vLLM's v1 scheduler, vllm/v1/core/sched/s
    capped by the remaining budget ``max_num_batched_tokens``; when the KV pool
    cannot back them, the newest running request is preempted by recompute
    (its blocks are freed and it goes back to the front of the waiting queue);
-2. waiting requests, first come first served, while fewer than
+2. swapped-out requests come back (preemption by swap), then
+3. waiting requests, first come first served (or by priority), while fewer than
    ``max_num_seqs`` run and budget remains; with chunked prefill a prompt may
    take only part of the remaining budget; a waiting request never preempts.
 
@@ -52,6 +53,14 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_preempted_recompute: int = 0
+    num_preempted_swap: int = 0
+    #: ``(device_block, cpu_block)`` copies to make before the forward (preemption by swap)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    #: ``(cpu_block, device_block)`` copies to make before the forward (swapped requests resumed)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    #: ``(src, dst)`` device block copies (copy-on-write), made after swap-out, before swap-in
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     #: prompt tokens looked up in the prefix cache at first admission, and those found
     #: (re-admissions after preemption are not counted)
     prefix_cache_queries: int = 0
@@ -76,6 +85,15 @@ class Scheduler:
         enable_chunked_prefill: split prompts to fit the budget; when off, a prompt
             is admitted only when all of it fits the step's remaining budget.
         long_prefill_token_threshold: most prompt tokens one request takes in a step (0 = no cap).
+        scheduling_policy: ``"fcfs"`` (arrival order; the newest running request is the
+            preemption victim) or ``"priority"`` (lower ``Request.priority`` value first, then
+            arrival; the victim is the lowest-priority, newest running request), as in vLLM.
+        preemption_mode: ``"recompute"`` (free the victim's blocks; it recomputes later) or
+            ``"swap"`` (copy its blocks to the CPU swap pool and back; falls back to recompute
+            when the swap pool is full). vLLM paper, Kwon et al., SOSP 2023, §4.5.
+
+    Raises:
+        ValueError: an unknown policy or mode.
     """
 
     def __init__(
@@ -85,32 +103,59 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
+        preemption_mode: str = "recompute",
     ) -> None:
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={scheduling_policy!r} must be 'fcfs' or 'priority'")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={preemption_mode!r} must be 'recompute' or 'swap'")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.policy = scheduling_policy
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        #: parallel-sampling siblings waiting for their first sibling's prompt, keyed by its id
+        self.fork_pending: dict[str, list[Request]] = {}
         self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ queue
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
+        """Queue a request; ``siblings`` (parallel sampling) start from its prompt blocks once it is prefilled."""
         self.waiting.append(request)
+        if siblings:
+            self.fork_pending[request.request_id] = list(siblings)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped or self.fork_pending)
+
+    def _key(self, r: Request):
+        return (r.priority, r.arrival_time) if self.policy == "priority" else (0, r.arrival_time)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request in any state and release its blocks."""
+        """End a request in any state and release everything it holds."""
         request.status = status
         request.finish_time = time.perf_counter()
         self.kv.free(request.request_id)
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        self.kv.drop_swapped(request.request_id)
+        for q in (self.running, self.waiting, self.swapped):
+            if request in q:
+                q.remove(request)
+        for sibs in self.fork_pending.values():
+            if request in sibs:
+                sibs.remove(request)
+        self._release_siblings(request)
+
+    def _release_siblings(self, request: Request) -> None:
+        """Siblings of a request that ends before its prompt is computed start on their own."""
+        sibs = self.fork_pending.pop(request.request_id, None)
+        if sibs:
+            self.waiting.extend(sibs)
 
     # ------------------------------------------------------------------ step
     def _chunk(self, request: Request, budget: int, computed: int | None = None) -> int:
@@ -132,21 +177,58 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        self.kv.free(victim.request_id)
-        victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(victim)
         out.preempted.append(victim)
+        if self.preemption_mode == "swap" and self.kv.can_swap_out(victim.request_id):
+            out.swap_out.extend(self.kv.swap_out(victim.request_id))
+            self.swapped.append(victim)
+            out.num_preempted_swap += 1
+        else:
+            self.kv.free(victim.request_id)
+            victim.num_computed_tokens = 0
+            self.waiting.appendleft(victim)
+            out.num_preempted_recompute += 1
+
+    def _release_waiting_holder(self) -> bool:
+        """Free the blocks of the newest waiting request that holds some (a forked sibling not yet
+        running); it will recompute. Returns False when no waiting request holds blocks."""
+        for r in reversed(self.waiting):
+            if r.request_id in self.kv.block_tables:
+                self.kv.free(r.request_id)
+                r.num_computed_tokens = 0
+                return True
+        return False
+
+    def _victim(self, scheduled_ids: set[str]) -> Request:
+        if self.policy == "fcfs":
+            victim = self.running[-1]
+        else:
+            victim = max((r for r in self.running if r.request_id not in scheduled_ids), key=self._key)
+        if victim.request_id in scheduled_ids:
+            raise RuntimeError("KV pool exhausted by requests already scheduled this step")
+        return victim
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV slots."""
+        out = self._schedule()
+        if out.is_empty and not self.running and self.waiting and not out.swap_out:
+            # Waiting requests that hold blocks (forked siblings) can pin the pool; release them
+            # to recompute, so that the oldest request can always run.
+            while self._release_waiting_holder():
+                pass
+            out = self._schedule()
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        if self.policy == "priority":
+            self.running.sort(key=self._key)
 
-        # 1. running requests, oldest first
+        # 1. running requests, oldest (or highest priority) first
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -154,10 +236,11 @@ class Scheduler:
             if n == 0:
                 i += 1  # its whole prompt does not fit the rest of the budget; next step
                 continue
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
-                victim = self.running[-1]
-                if victim.request_id in scheduled_ids:
-                    raise RuntimeError("KV pool exhausted by requests already scheduled this step")
+            c = req.num_computed_tokens
+            while not self.kv.allocate_slots(req.request_id, c + n, write_start=c):
+                if self._release_waiting_holder():
+                    continue
+                victim = self._victim(scheduled_ids)
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -167,19 +250,47 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            break  # req preempted itself: every later request is newer and was preempted too
+            break  # req preempted itself: every request after it was preempted before it
 
-        # 2. waiting requests, FCFS, only when nothing was preempted this step
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        # 2. swapped requests come back before new ones are admitted
+        if self.swapped and not out.preempted:
+            if self.policy == "priority":
+                self.swapped = deque(sorted(self.swapped, key=self._key))
+            while self.swapped and len(self.running) < self.max_num_seqs and budget > 0:
+                req = self.swapped[0]
+                n = self._chunk(req, budget)
+                c = req.num_computed_tokens
+                # come back only with room for this step's tokens too, else it would be swapped out again
+                if not n or not self.kv.can_swap_in(req.request_id, c + n):
+                    break
+                self.swapped.popleft()
+                out.swap_in.extend(self.kv.swap_in(req.request_id))
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                if self.kv.allocate_slots(req.request_id, c + n, write_start=c):
+                    self._add(out, req, n)
+                    scheduled_ids.add(req.request_id)
+                    budget -= n
+
+        # 3. waiting requests, only when nothing was preempted this step and none is swapped out
+        if self.policy == "priority" and self.waiting:
+            self.waiting = deque(sorted(self.waiting, key=self._key))
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not out.preempted
+            and not self.swapped
+        ):
             req = self.waiting[0]
             hits = self.kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else []
             computed = req.num_computed_tokens + len(hits) * self.kv.block_size
             n = self._chunk(req, budget, computed)
             if n == 0:
                 break
-            if not self.kv.allocate_slots(req.request_id, computed + n, hits):
+            if not self.kv.allocate_slots(req.request_id, computed + n, hits, write_start=computed):
                 break
-            if self.kv.enable_prefix_caching and req.num_preemptions == 0:
+            if self.kv.enable_prefix_caching and req.num_preemptions == 0 and req.index == 0:
                 out.prefix_cache_queries += req.num_prompt_tokens
                 out.prefix_cache_hits += computed
                 req.num_cached_tokens = computed
@@ -192,6 +303,8 @@ class Scheduler:
             self._add(out, req, n)
             scheduled_ids.add(req.request_id)
             budget -= n
+        out.block_copies = self.kv.pending_copies
+        self.kv.pending_copies = []
         return out
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
@@ -222,6 +335,8 @@ class Scheduler:
                 req.num_computed_tokens // self.kv.block_size > self.kv.num_hashed_blocks(req.request_id)
             ):
                 self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            if req.request_id in self.fork_pending and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._fork(req)
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue
@@ -234,3 +349,14 @@ class Scheduler:
                 self.finish(req, status)
                 finished.append(req)
         return finished
+
+    def _fork(self, first: Request) -> None:
+        """Siblings share the first one's prompt blocks; each recomputes the last prompt token
+        itself (so samples its own first token), which copies the shared last block on write."""
+        p = first.num_prompt_tokens
+        for sib in self.fork_pending.pop(first.request_id):
+            self.kv.fork(first.request_id, sib.request_id, p)
+            sib.num_computed_tokens = p - 1
+            if sib.first_scheduled_time is None:
+                sib.first_scheduled_time = first.first_scheduled_time
+            self.waiting.appendleft(sib)

@@ -94,14 +94,52 @@ class LocalExecutor:
     The cache of each layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device,
+        num_cpu_blocks: int = 0,
+    ):
         self.model = model
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, head_dim)
-        # torch.empty: pages are touched only when blocks are written
-        self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        # zeros, not empty: attention reads whole blocks and masks the unwritten slots, and a NaN
+        # bit pattern left in uninitialised memory would survive the mask (0 x NaN = NaN)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.device = torch.device(device)
+        cpu_shape = (2, num_cpu_blocks, *shape[2:])
+        pin = self.device.type == "cuda"
+        self.cpu_caches = (
+            [torch.zeros(cpu_shape, dtype=kv_dtype, pin_memory=pin) for _ in range(cfg.num_hidden_layers)]
+            if num_cpu_blocks
+            else []
+        )
+
+    def copy_blocks(
+        self,
+        swap_out: list[tuple[int, int]],
+        copies: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+    ) -> None:
+        """Block copies of one step, in this order: device -> CPU (swap out), device -> device
+        (copy-on-write), CPU -> device (swap in). Each pair is ``(src, dst)`` block ids."""
+
+        def idx(pairs, i, dev):
+            return torch.tensor([p[i] for p in pairs], dtype=torch.long, device=dev)
+
+        for layer, gpu in enumerate(self.kv_caches):
+            if swap_out:
+                cpu = self.cpu_caches[layer]
+                cpu[:, idx(swap_out, 1, "cpu")] = gpu[:, idx(swap_out, 0, gpu.device)].to("cpu")
+            if copies:
+                gpu[:, idx(copies, 1, gpu.device)] = gpu[:, idx(copies, 0, gpu.device)]
+            if swap_in:
+                cpu = self.cpu_caches[layer]
+                gpu[:, idx(swap_in, 1, gpu.device)] = cpu[:, idx(swap_in, 0, "cpu")].to(gpu.device)
 
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> torch.Tensor:

@@ -67,11 +67,19 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: token slots per block.
         enable_prefix_caching: keep full blocks findable by content hash.
+        num_cpu_blocks: blocks of the CPU swap pool (0 = no swapping).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        #: CPU blocks for preemption by swapping (``swap_space``); ``None`` without swap space
+        self.swap_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.swapped_tables: dict[str, list[int]] = {}
+        #: copy-on-write ``(src, dst)`` block copies for the executor, drained by the scheduler each step
+        self.pending_copies: list[tuple[int, int]] = []
         self.block_tables: dict[str, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self._hashes: dict[str, list[bytes]] = {}  # hashes of each request's full blocks, in order
@@ -126,27 +134,54 @@ class KVCacheManager:
         """Token slots in the pool."""
         return self.pool.num_blocks * self.block_size
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_total_tokens: int,
+        cached_blocks: list[int] = (),
+        write_start: int | None = None,
+    ) -> bool:
         """Make sure slots ``0 .. num_total_tokens-1`` of the request are backed by blocks.
+
+        Copy-on-write: a block in the written range ``write_start .. num_total_tokens-1`` that
+        other requests share (reference count > 1, e.g. a parallel-sampling sibling's prompt
+        block) is replaced by a private copy; the ``(src, dst)`` pair is queued in
+        :attr:`pending_copies` for the executor to copy before the forward.
 
         Args:
             request_id: the request.
             num_total_tokens: tokens computed so far + tokens scheduled this step.
             cached_blocks: prefix-cache hits (from :meth:`find_cached_prefix`) that start the
                 block table of a request holding no blocks yet.
+            write_start: first position written this step (``None`` = no copy-on-write check).
 
         Returns:
             ``False`` (and changes nothing) when too few blocks are free.
         """
+        bs = self.block_size
         table = self.block_tables.get(request_id)
         have = len(table) if table else 0
-        need = max(0, cdiv(num_total_tokens, self.block_size) - have - len(cached_blocks))
+        need = max(0, cdiv(num_total_tokens, bs) - have - len(cached_blocks))
+        cow = []
+        if table and write_start is not None:
+            cow = [
+                i
+                for i in range(write_start // bs, min(have, cdiv(num_total_tokens, bs)))
+                if self.pool.ref_cnt[table[i]] > 1
+            ]
         # hits on free cached blocks leave the free queue: they are not available for new blocks
         reclaimed = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
-        if need > self.pool.num_free_blocks - reclaimed:
+        if need + len(cow) > self.pool.num_free_blocks - reclaimed:
             return False
         if table is None:
             table = self.block_tables[request_id] = []
+        for i in cow:
+            (dst,) = self.pool.allocate(1)
+            self.pending_copies.append((table[i], dst))
+            self.pool.free([table[i]])
+            table[i] = dst
+        if cow:
+            del self._hashes.get(request_id, [])[cow[0] :]  # copies carry no cache identity
         for b in cached_blocks:
             self.pool.touch(b)
         table.extend(cached_blocks)
@@ -155,6 +190,54 @@ class KVCacheManager:
         if need:
             table.extend(self.pool.allocate(need))
         return True
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """Give ``child_id`` the parent's blocks covering ``num_tokens`` tokens, shared by reference count."""
+        blocks = self.block_tables[parent_id][: cdiv(num_tokens, self.block_size)]
+        for b in blocks:
+            self.pool.incref(b)
+        self.block_tables[child_id] = list(blocks)
+        hashes = self._hashes.get(parent_id, [])[: num_tokens // self.block_size]
+        self._hashes[child_id] = list(hashes)
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, request_id: str) -> bool:
+        return (
+            self.swap_pool is not None and len(self.block_tables.get(request_id, ())) <= self.swap_pool.num_free_blocks
+        )
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        """Move a request's blocks to the CPU swap pool; return ``(device_block, cpu_block)`` pairs to copy.
+
+        Raises:
+            RuntimeError: the swap pool lacks room (check :meth:`can_swap_out` first).
+        """
+        table = self.block_tables.pop(request_id)
+        self._hashes.pop(request_id, None)
+        cpu = self.swap_pool.allocate(len(table))
+        self.swapped_tables[request_id] = cpu
+        pairs = list(zip(table, cpu))
+        self.pool.free(table)
+        return pairs
+
+    def can_swap_in(self, request_id: str, num_total_tokens: int = 0) -> bool:
+        """Room for the request's swapped blocks and for ``num_total_tokens`` slots in all."""
+        need = max(len(self.swapped_tables[request_id]), cdiv(num_total_tokens, self.block_size))
+        return need <= self.pool.num_free_blocks
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        """Bring a swapped request back; return ``(cpu_block, device_block)`` pairs to copy."""
+        cpu = self.swapped_tables.pop(request_id)
+        table = self.pool.allocate(len(cpu))
+        self.block_tables[request_id] = table
+        self.swap_pool.free(cpu)
+        return list(zip(cpu, table))
+
+    def drop_swapped(self, request_id: str) -> None:
+        """Release a swapped request's CPU blocks (abort)."""
+        cpu = self.swapped_tables.pop(request_id, None)
+        if cpu:
+            self.swap_pool.free(cpu)
 
     def free(self, request_id: str) -> None:
         """Release every block of a request (no-op for a request holding none)."""
@@ -207,6 +290,14 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Assert that block tables and reference counts agree (for tests)."""
         self.pool.check_invariants()
+        if self.swap_pool is not None:
+            self.swap_pool.check_invariants()
+            cpu_owners = [0] * self.swap_pool.num_blocks
+            for t in self.swapped_tables.values():
+                for b in t:
+                    cpu_owners[b] += 1
+            if cpu_owners != self.swap_pool.ref_cnt:
+                raise AssertionError("swap pool reference counts differ from the swapped block tables")
         owners = [0] * self.pool.num_blocks
         for table in self.block_tables.values():
             for b in table:

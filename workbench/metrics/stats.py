@@ -49,6 +49,12 @@ class StepStats:
     free: int
     kv_utilization: float
     fragmentation_rate: float
+    num_preempted_recompute: int = 0  # of num_preemptions, by kind
+    num_preempted_swap: int = 0
+    num_swapped: int = 0  # requests whose blocks sit in the CPU swap pool after the step
+    swap_out_blocks: int = 0  # blocks copied device -> CPU this step
+    swap_in_blocks: int = 0  # blocks copied CPU -> device this step
+    cow_block_copies: int = 0  # copy-on-write block copies this step
     num_cached_free_blocks: int = 0  # free blocks still holding a prefix-cached block
     prefix_cache_queries: int = 0  # prompt tokens looked up this step (first admissions only)
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
