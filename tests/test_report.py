@@ -161,13 +161,13 @@ def test_summary_counts_and_throughput(steps, requests):
     assert s["requests_finished"] == 5
     assert s["requests_errored"] == 1
     assert s["requests_aborted"] == 1
-    prompt = 10 + 20 + 30 + 40 + 50 + 7 + 3  # 160
+    prompt = 10 + 20 + 30 + 40 + 50 + 3  # 153: the refused ("error") request's 7 were never processed
     output = 5 + 6 + 7 + 8 + 9  # 35
     assert s["prompt_tokens_total"] == prompt
     assert s["output_tokens_total"] == output
     assert s["wall_time_s"] == 2.0
     assert s["output_throughput_tok_s"] == pytest.approx(35 / 2.0)
-    assert s["total_throughput_tok_s"] == pytest.approx((160 + 35) / 2.0)
+    assert s["total_throughput_tok_s"] == pytest.approx((153 + 35) / 2.0)
 
 
 def test_summary_percentiles_hand_computed(steps, requests):
@@ -378,7 +378,7 @@ def test_write_report(tmp_path, steps, requests):
     assert f"<td>{format_value(summary['ttft_p99_s'])}</td>" in doc
     assert "<td>0.496</td>" in doc  # ttft p99
     assert "<td>17.500</td>" in doc  # output throughput
-    assert "<td>97.500</td>" in doc  # total throughput
+    assert "<td>94.000</td>" in doc  # total throughput
     # figure titles and the legend of the memory categories
     for text in (
         "KV cache memory over time",

@@ -56,7 +56,13 @@ def engine_options(f):
         click.option("--tokenizer", default=None, help="tokenizer folder (default: the model's)"),
         click.option("--dtype", default="auto", show_default=True, help="auto | float32 | bfloat16 | float16"),
         click.option("--device", default="cpu", show_default=True, help="cpu | cuda | auto"),
-        click.option("--seed", default=0, show_default=True, type=int),
+        click.option(
+            "--seed",
+            default=0,
+            show_default=True,
+            type=int,
+            help="seed of sampling for requests without a seed of their own",
+        ),
         click.option("--block-size", default=16, show_default=True, type=int, help="tokens per KV block"),
         click.option(
             "--gpu-memory-utilization",
@@ -70,16 +76,59 @@ def engine_options(f):
             default=None,
             help="CPU only: the memory gpu_memory_utilization applies to (e.g. 2GiB) [default: 2GiB]",
         ),
-        click.option("--max-num-seqs", default=64, show_default=True, type=int),
-        click.option("--max-num-batched-tokens", default=None, type=int, help="token budget per step"),
-        click.option("--max-model-len", default=None, type=int),
-        click.option("--num-gpu-blocks-override", default=None, type=int),
-        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, show_default=True),
-        click.option("--long-prefill-token-threshold", default=0, show_default=True, type=int),
-        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=False, show_default=True),
-        click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True),
         click.option(
-            "--preemption-mode", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True
+            "--max-num-seqs", default=64, show_default=True, type=int, help="most requests in one step (batch)"
+        ),
+        click.option(
+            "--max-num-batched-tokens",
+            default=None,
+            type=int,
+            help="token budget per step (prefill + decode) [default: 2048 with chunked prefill, else max_model_len]",
+        ),
+        click.option(
+            "--max-model-len",
+            default=None,
+            type=int,
+            help="longest sequence, prompt + output, in tokens [default: the model's, capped at 4096]",
+        ),
+        click.option(
+            "--num-gpu-blocks-override",
+            default=None,
+            type=int,
+            help="number of KV blocks, bypassing the memory budget (for experiments)",
+        ),
+        click.option(
+            "--enable-chunked-prefill/--no-enable-chunked-prefill",
+            default=True,
+            show_default=True,
+            help="split long prompts across steps to fit the token budget",
+        ),
+        click.option(
+            "--long-prefill-token-threshold",
+            default=0,
+            show_default=True,
+            type=int,
+            help="most prompt tokens one request takes per step (0 = no cap beyond the budget)",
+        ),
+        click.option(
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            default=False,
+            show_default=True,
+            help="reuse the KV blocks of identical prompt prefixes",
+        ),
+        click.option(
+            "--scheduling-policy",
+            type=click.Choice(["fcfs", "priority"]),
+            default="fcfs",
+            show_default=True,
+            help="order of admission and of preemption",
+        ),
+        click.option(
+            "--preemption-mode",
+            type=click.Choice(["recompute", "swap"]),
+            default="recompute",
+            show_default=True,
+            help="what happens to a request preempted when KV blocks run out",
         ),
         click.option(
             "--swap-space",
@@ -88,7 +137,12 @@ def engine_options(f):
             type=float,
             help="CPU swap pool (GiB) for --preemption-mode swap",
         ),
-        click.option("--kv-cache-dtype", default="auto", show_default=True),
+        click.option(
+            "--kv-cache-dtype",
+            default="auto",
+            show_default=True,
+            help="auto (= --dtype) | float32 | bfloat16 | float16",
+        ),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -103,6 +157,7 @@ def _engine_args(kw: dict) -> dict:
 
 
 @click.group()
+@click.version_option(package_name="workbench")
 @click.option("-v", "--verbose", is_flag=True, help="debug logging")
 def main(verbose: bool) -> None:
     """workbench: a paged-KV, continuous-batching LLM engine and its course lab."""
@@ -111,19 +166,19 @@ def main(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-@main.command()
+@main.command(short_help="Serve a prompt set; print a summary; write a run folder with a report.")
 @click.option(
     "--dataset",
     type=click.Path(dir_okay=False),
     default=None,
     help="ShareGPT JSON or JSONL prompts [default: datasets/default_prompts.jsonl]",
 )
-@click.option("--num-prompts", default=64, show_default=True, type=int)
+@click.option("--num-prompts", default=64, show_default=True, type=int, help="use the first N prompts")
 @click.option("--max-tokens", default=128, show_default=True, type=int, help="output cap per request")
-@click.option("--temperature", default=0.0, show_default=True, type=float)
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=-1, show_default=True, type=int)
-@click.option("--ignore-eos", is_flag=True)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="nucleus sampling (1 = off)")
+@click.option("--top-k", default=-1, show_default=True, type=int, help="keep the k most likely tokens (-1 = all)")
+@click.option("--ignore-eos", is_flag=True, help="generate max-tokens tokens even past the end-of-sequence token")
 @click.option("--output-dir", default="runs", show_default=True, help="parent of the run folder")
 @engine_options
 def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos, output_dir, **kw):
@@ -160,13 +215,13 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
         ("requests (finished / errors)", f"{s['requests_total']} ({s['requests_finished']} / {s['requests_errored']})"),
         ("prompt tokens", f"{s['prompt_tokens_total']:,}"),
         ("output tokens", f"{s['output_tokens_total']:,}"),
-        ("wall time", f"{s['wall_time_s']:.2f} s (startup {s['startup_s']:.1f} s)"),
+        ("wall time (startup not included)", f"{s['wall_time_s']:.2f} s (startup {s['startup_s']:.1f} s)"),
         ("output throughput", f"{s['output_throughput_tok_s']:,.1f} tok/s"),
         ("total throughput", f"{s['total_throughput_tok_s']:,.1f} tok/s"),
         ("TTFT p50 / p99", f"{ms(s['ttft_p50_s'])} / {ms(s['ttft_p99_s'])}"),
         ("TPOT p50 / p99", f"{ms(s['tpot_p50_s'])} / {ms(s['tpot_p99_s'])}"),
         ("ITL p50 / p99", f"{ms(s['itl_p50_s'])} / {ms(s['itl_p99_s'])}"),
-        ("mean requests per step", f"{s['running_reqs_mean']:.1f}"),
+        ("mean requests batched per step", f"{s['batched_reqs_mean']:.1f}"),
         ("KV utilization (mean over steps)", f"{s['kv_utilization_mean_frac']:.1%}"),
         ("KV blocks used (peak / pool)", f"{s['blocks_used_peak']:,} / {res.memory['num_blocks']:,}"),
         ("fragmentation rate (mean)", f"{s['fragmentation_rate_mean_frac']:.1%}"),
@@ -175,12 +230,13 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
-    for o in res.outputs:
+    for rec, o in zip(res.records, res.outputs):
         if o.error:
-            console.print(f"[red]request {o.request_id} refused:[/red] {o.error}")
+            console.print(f"[red]request {o.request_id} (prompt {rec.id}) refused:[/red] {o.error}")
     if res.run_dir is not None:
-        console.print(f"report: {res.run_dir / 'report.html'}")
-        console.print(f"steps:  {res.run_dir / 'steps.jsonl'}  requests: {res.run_dir / 'requests.jsonl'}")
+        console.print(f"report:   {res.run_dir / 'report.html'}")
+        console.print(f"steps:    {res.run_dir / 'steps.jsonl'}")
+        console.print(f"requests: {res.run_dir / 'requests.jsonl'}")
 
 
 if __name__ == "__main__":

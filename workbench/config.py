@@ -176,7 +176,13 @@ class EngineConfig:
             raise ValueError(f"swap_space={self.swap_space!r} must be >= 0 (GiB of CPU memory for swapped blocks)")
         resolve_dtype(self.dtype)
         if self.kv_cache_dtype != "auto":
-            resolve_dtype(self.kv_cache_dtype)
+            try:
+                resolve_dtype(self.kv_cache_dtype)
+            except ValueError:
+                raise ValueError(
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use 'auto' (= dtype), "
+                    "'float32', 'bfloat16' or 'float16'"
+                ) from None
         if self.device not in ("cpu", "cuda", "auto") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device={self.device!r} must be 'cpu', 'cuda', 'cuda:N' or 'auto'")
         if self.device != "cpu" and self.device != "auto" and not torch.cuda.is_available():

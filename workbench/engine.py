@@ -457,11 +457,25 @@ class LLM:
             factory = use_tqdm if callable(use_tqdm) else tqdm
             bar = factory(total=len(prompts), desc="requests", unit="req")
         results: dict[str, RequestOutput] = {}
+        last_postfix = 0.0
         while eng.has_unfinished_requests():
-            for o in eng.step():
+            finished = eng.step()
+            for o in finished:
                 results[o.request_id] = o
                 if bar is not None:
                     bar.update(1)
+            if bar is not None and eng.recorder.steps:
+                s = eng.recorder.steps[-1]
+                now = time.perf_counter()
+                if now - last_postfix > 0.5:  # live figures while no request has finished yet
+                    bar.set_postfix(
+                        step=s.step,
+                        running=s.num_running,
+                        waiting=s.num_waiting,
+                        kv=f"{s.kv_utilization:.0%}",
+                        refresh=True,
+                    )
+                    last_postfix = now
         if bar is not None:
             bar.close()
         return [results[i] for i in ids]

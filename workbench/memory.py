@@ -136,10 +136,14 @@ def plan_memory(
         source = "num_gpu_blocks_override"
     else:
         if budget < block_bytes:
+            mib = 1 << 20
+            enough = (weights_bytes + act + max_model_len * per_token) / gpu_memory_utilization
             raise ValueError(
-                f"no memory left for the KV cache: capacity {capacity:,} B x gpu_memory_utilization "
-                f"{gpu_memory_utilization} - weights {weights_bytes:,} B - activations {act:,} B = {budget:,} B; "
-                "raise device_memory / gpu_memory_utilization or lower max_num_batched_tokens"
+                f"not enough memory for the KV cache: capacity {capacity / mib:,.0f} MiB x gpu_memory_utilization "
+                f"{gpu_memory_utilization} - weights {weights_bytes / mib:,.1f} MiB - activations {act / mib:,.1f} MiB "
+                f"= {budget / mib:,.1f} MiB, not even one block. One max_model_len={max_model_len:,} sequence "
+                f"needs {max_model_len * per_token / mib:,.1f} MiB: give at least {enough / mib:,.0f} MiB "
+                f"(device_memory / gpu_memory_utilization), or lower max_model_len or max_num_batched_tokens"
             )
         num_blocks = budget // block_bytes
     mb = MemoryBudget(
@@ -160,6 +164,6 @@ def plan_memory(
             f"the KV pool holds {mb.kv_pool_tokens:,} tokens ({num_blocks:,} blocks x {block_size}), fewer than "
             f"max_model_len={max_model_len:,}: one sequence of that length cannot fit. Set max_model_len <= "
             f"{mb.kv_pool_tokens:,}, or give the KV cache more memory (device_memory, gpu_memory_utilization, "
-            "num_gpu_blocks_override)"
+            f"num_gpu_blocks_override; {max_model_len:,} tokens need {max_model_len * per_token / (1 << 20):,.1f} MiB)"
         )
     return mb

@@ -33,16 +33,15 @@ class ScheduledRequest:
     request: Request
     start: int
     num_new_tokens: int
+    #: the request is still computing its prompt (or recomputing after preemption); fixed at scheduling
+    is_prefill: bool = field(init=False)
+    #: this step reaches the request's last token, so a new token is sampled; fixed at scheduling
+    samples: bool = field(init=False)
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while the request is still computing its prompt (or recomputing after preemption)."""
-        return self.start < self.request.num_tokens - 1 or self.request.num_output_tokens == 0
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        r = self.request
+        self.is_prefill = self.start < r.num_tokens - 1 or r.num_output_tokens == 0
+        self.samples = self.start + self.num_new_tokens == r.num_tokens
 
 
 @dataclass

@@ -24,6 +24,7 @@ class JobResult:
     """What a run produced: outputs in prompt order, the recorder, the summary and the folder."""
 
     outputs: list[RequestOutput]
+    records: list[PromptRecord]
     recorder: Recorder
     summary: dict
     run_dir: Path | None
@@ -71,9 +72,22 @@ def run_job(
     """
     from workbench.viz.report import summary_table, write_report
 
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts={num_prompts} must be >= 1")
     records = load_prompts(dataset, num_prompts) if dataset else default_prompts()[:num_prompts]
     if not records:
         raise ValueError(f"dataset {dataset} has no prompts")
+    # sampling parameters are checked before the model loads
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=r.max_tokens or max_tokens,
+            ignore_eos=ignore_eos,
+        )
+        for r in records
+    ]
     run_dir = None
     sinks = []
     if output_dir is not None:
@@ -86,16 +100,6 @@ def run_job(
         llm.llm_engine.recorder = recorder
     eng = llm.llm_engine
     prompts = [to_engine_prompt(r) for r in records]
-    params = [
-        SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_tokens=r.max_tokens or max_tokens,
-            ignore_eos=ignore_eos,
-        )
-        for r in records
-    ]
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=progress)
     wall = time.perf_counter() - t0
@@ -120,4 +124,4 @@ def run_job(
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (run_dir / "config.json").write_text(json.dumps(config | {"memory": memory}, indent=2, default=str))
         write_report(run_dir / "report.html", steps, reqs, summary, config, title="workbench run")
-    return JobResult(outputs, recorder, summary, run_dir, wall, memory)
+    return JobResult(outputs, records, recorder, summary, run_dir, wall, memory)

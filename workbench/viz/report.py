@@ -467,8 +467,8 @@ def summary_table(
       "length" without error), ``requests_errored`` (``error`` set or
       ``finish_reason == "error"``), ``requests_aborted`` (the rest with
       ``finish_reason == "abort"``) -- counts;
-    * ``prompt_tokens_total``, ``output_tokens_total`` -- summed over all
-      requests (tokens);
+    * ``prompt_tokens_total``, ``output_tokens_total`` -- summed over the
+      requests that ran (refused ones excluded: their prompts were never processed) (tokens);
     * ``wall_time_s`` -- as given (s);
     * ``output_throughput_tok_s`` = output tokens / wall time and
       ``total_throughput_tok_s`` = (prompt + output tokens) / wall time
@@ -485,7 +485,8 @@ def summary_table(
     * ``preemptions_total`` -- sum of per-step ``num_preemptions``;
     * ``fragmentation_rate_mean_frac`` -- mean ``fragmentation_rate`` over
       steps (0..1);
-    * ``running_reqs_mean`` -- mean ``num_running`` over steps (requests).
+    * ``running_reqs_mean`` -- mean ``num_running`` over steps (requests still running after each step);
+    * ``batched_reqs_mean`` -- mean requests scheduled in a step (``num_prefill_reqs + num_decode_reqs``).
 
     Means over zero steps are ``0.0``; nothing divides by zero.
 
@@ -509,8 +510,9 @@ def summary_table(
     n_err = sum(1 for r in requests if _is_error(r))
     n_fin = sum(1 for r in requests if not _is_error(r) and r.get("finish_reason") in ("stop", "length"))
     n_abort = sum(1 for r in requests if not _is_error(r) and r.get("finish_reason") == "abort")
-    prompt_tokens = int(sum(int(r.get("prompt_tokens") or 0) for r in requests))
-    output_tokens = int(sum(int(r.get("output_tokens") or 0) for r in requests))
+    ran = [r for r in requests if not _is_error(r)]
+    prompt_tokens = int(sum(int(r.get("prompt_tokens") or 0) for r in ran))
+    output_tokens = int(sum(int(r.get("output_tokens") or 0) for r in ran))
 
     lat = _latency_values(requests)
     out: dict[str, float | int | None] = {
@@ -533,6 +535,7 @@ def summary_table(
     out["preemptions_total"] = int(sum(int(s["num_preemptions"]) for s in steps))
     out["fragmentation_rate_mean_frac"] = _mean([float(s["fragmentation_rate"]) for s in steps])
     out["running_reqs_mean"] = _mean([float(s["num_running"]) for s in steps])
+    out["batched_reqs_mean"] = _mean([float(s.get("num_prefill_reqs", 0) + s.get("num_decode_reqs", 0)) for s in steps])
     return out
 
 
