@@ -9,14 +9,14 @@ from conftest import real_prompts
 
 from workbench import LLM, SamplingParams
 
-SP = SamplingParams(max_tokens=24, ignore_eos=True)
-BASE = dict(dtype="float32", max_num_seqs=8, max_model_len=512)
+SP = SamplingParams(max_tokens=64, ignore_eos=True)
+BASE = dict(dtype="float32", max_num_seqs=8, max_model_len=192)
 
 
 @pytest.fixture(scope="module")
 def msgs():
     system = "You are a careful assistant. Answer briefly and precisely, in plain English. " * 3
-    return [[{"role": "system", "content": system}, {"role": "user", "content": p[:600]}] for p in real_prompts(8)]
+    return [[{"role": "system", "content": system}, {"role": "user", "content": p[:300]}] for p in real_prompts(8)]
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +30,19 @@ def reference(msgs):
     [
         {"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
         {"enable_prefix_caching": True, "max_num_seqs": 2},  # later admissions find the system prompt
-        {"num_gpu_blocks_override": 32, "preemption_mode": "recompute"},
-        {"num_gpu_blocks_override": 32, "preemption_mode": "swap", "swap_space": 0.5},
+        {"num_gpu_blocks_override": 12, "preemption_mode": "recompute"},
+        {"num_gpu_blocks_override": 12, "preemption_mode": "swap", "swap_space": 0.5},
     ],
     ids=["chunked-64", "prefix-caching", "tiny-pool-recompute", "tiny-pool-swap"],
 )
 def test_bundled_greedy_identical_under_scheduling_variants(msgs, reference, args):
     llm = LLM(**(BASE | args))
-    got = [o.outputs[0].token_ids for o in llm.generate(msgs, SP)]
-    assert got == reference
+    outs = llm.generate(msgs, SP)
+    assert [o.outputs[0].token_ids for o in outs] == reference
     steps = llm.llm_engine.recorder.steps
-    if "num_gpu_blocks_override" in args:
-        preempted = sum(s.num_preemptions for s in steps)
-        assert preempted >= 4, f"only {preempted} preemptions: the pool was not small enough"
+    if "num_gpu_blocks_override" in args:  # 12 blocks x 16 = 192 tokens for 8 requests of ~130-200
+        preempted = sum(o.metrics["num_preemptions"] > 0 for o in outs)
+        assert preempted >= 3, f"only {preempted} of 8 requests were preempted: the pool was not small enough"
     if args.get("enable_prefix_caching"):
         assert sum(s.prefix_cache_hits for s in steps) > 0  # the shared system prompt
     if args.get("max_num_batched_tokens") == 64:
