@@ -10,7 +10,7 @@ from conftest import real_prompts
 from workbench import LLM, SamplingParams
 
 SP = SamplingParams(max_tokens=64, ignore_eos=True)
-BASE = dict(dtype="float32", max_num_seqs=8, max_model_len=192)
+BASE = dict(dtype="float32", max_num_seqs=8, max_model_len=512)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,9 @@ def msgs():
 @pytest.fixture(scope="module")
 def reference(msgs):
     llm = LLM(enable_chunked_prefill=False, max_num_batched_tokens=4096, **BASE)
-    return [o.outputs[0].token_ids for o in llm.generate(msgs, SP)]
+    outs = llm.generate(msgs, SP)
+    longest = max(len(o.prompt_token_ids) for o in outs) + SP.max_tokens
+    return [o.outputs[0].token_ids for o in outs], longest
 
 
 @pytest.mark.parametrize(
@@ -30,17 +32,23 @@ def reference(msgs):
     [
         {"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
         {"enable_prefix_caching": True, "max_num_seqs": 2},  # later admissions find the system prompt
-        {"num_gpu_blocks_override": 12, "preemption_mode": "recompute"},
-        {"num_gpu_blocks_override": 12, "preemption_mode": "swap", "swap_space": 0.5},
+        {"tiny_pool": True, "preemption_mode": "recompute"},
+        {"tiny_pool": True, "preemption_mode": "swap", "swap_space": 0.5},
     ],
     ids=["chunked-64", "prefix-caching", "tiny-pool-recompute", "tiny-pool-swap"],
 )
 def test_bundled_greedy_identical_under_scheduling_variants(msgs, reference, args):
+    ref, longest = reference
+    args = dict(args)
+    if args.pop("tiny_pool", False):
+        # a pool that holds just the longest sequence: 8 requests compete for room for one
+        blocks = -(-longest // 16)
+        args |= {"num_gpu_blocks_override": blocks, "max_model_len": blocks * 16}
     llm = LLM(**(BASE | args))
     outs = llm.generate(msgs, SP)
-    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert [o.outputs[0].token_ids for o in outs] == ref
     steps = llm.llm_engine.recorder.steps
-    if "num_gpu_blocks_override" in args:  # 12 blocks x 16 = 192 tokens for 8 requests of ~130-200
+    if "num_gpu_blocks_override" in args:
         preempted = sum(o.metrics["num_preemptions"] > 0 for o in outs)
         assert preempted >= 3, f"only {preempted} of 8 requests were preempted: the pool was not small enough"
     if args.get("enable_prefix_caching"):
