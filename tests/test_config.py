@@ -60,3 +60,12 @@ def test_missing_model_path_fails_before_loading(tmp_path, monkeypatch):
 def test_bad_sampling_params(kwargs, word):
     with pytest.raises(ValueError, match=word):
         SamplingParams(**kwargs)
+
+
+def test_swap_without_swap_space_and_priority_without_policy_are_errors(tiny_model):
+    with pytest.raises(ValueError, match="swap_space > 0"):
+        EngineConfig(preemption_mode="swap", swap_space=0).validate()
+    llm = LLM(model=str(tiny_model), max_model_len=128)
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), priority=[1])
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -204,6 +204,13 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
     s = res.summary
+    steps = res.recorder.steps
+    pre_rc = sum(x.num_preempted_recompute for x in steps)
+    pre_sw = sum(x.num_preempted_swap for x in steps)
+    swapped = (sum(x.swap_out_blocks for x in steps), sum(x.swap_in_blocks for x in steps))
+    swapped = swapped if any(swapped) else None
+    queries = sum(x.prefix_cache_queries for x in steps)
+    hits = sum(x.prefix_cache_hits for x in steps)
     t = Table(title="workbench run", show_header=True)
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -215,7 +222,8 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
         ("requests (finished / errors)", f"{s['requests_total']} ({s['requests_finished']} / {s['requests_errored']})"),
         ("prompt tokens", f"{s['prompt_tokens_total']:,}"),
         ("output tokens", f"{s['output_tokens_total']:,}"),
-        ("wall time (startup not included)", f"{s['wall_time_s']:.2f} s (startup {s['startup_s']:.1f} s)"),
+        ("wall time", f"{s['wall_time_s']:.2f} s"),
+        ("startup (model load, not in wall time)", f"{s['startup_s']:.1f} s"),
         ("output throughput", f"{s['output_throughput_tok_s']:,.1f} tok/s"),
         ("total throughput", f"{s['total_throughput_tok_s']:,.1f} tok/s"),
         ("TTFT p50 / p99", f"{ms(s['ttft_p50_s'])} / {ms(s['ttft_p99_s'])}"),
@@ -225,8 +233,12 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
         ("KV utilization (mean over steps)", f"{s['kv_utilization_mean_frac']:.1%}"),
         ("KV blocks used (peak / pool)", f"{s['blocks_used_peak']:,} / {res.memory['num_blocks']:,}"),
         ("fragmentation rate (mean)", f"{s['fragmentation_rate_mean_frac']:.1%}"),
-        ("preemptions", f"{s['preemptions_total']}"),
+        ("preemptions (recompute / swap)", f"{s['preemptions_total']} ({pre_rc} / {pre_sw})"),
     ]
+    if swapped:
+        rows.append(("KV blocks swapped out / in", f"{swapped[0]:,} / {swapped[1]:,}"))
+    if queries:
+        rows.append(("prefix-cache hit rate (prompt tokens)", f"{hits / queries:.1%} ({hits:,} of {queries:,})"))
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)

@@ -174,6 +174,11 @@ class EngineConfig:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space={self.swap_space!r} must be >= 0 (GiB of CPU memory for swapped blocks)")
+        if self.preemption_mode == "swap" and self.swap_space <= 0:
+            raise ValueError(
+                f"preemption_mode='swap' needs swap_space > 0 (GiB), got swap_space={self.swap_space}; "
+                "give e.g. swap_space=4, or use preemption_mode='recompute'"
+            )
         resolve_dtype(self.dtype)
         if self.kv_cache_dtype != "auto":
             try:

@@ -133,6 +133,11 @@ class LLMEngine:
         num_cpu_blocks = 0
         if config.preemption_mode == "swap":
             num_cpu_blocks = int(config.swap_space * GiB) // self.memory.block_bytes
+            if num_cpu_blocks < 1:
+                raise ValueError(
+                    f"swap_space={config.swap_space} GiB holds no KV block of {self.memory.block_bytes:,} B; "
+                    "raise swap_space or use preemption_mode='recompute'"
+                )
         self.kv = KVCacheManager(
             self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
         )
@@ -221,6 +226,11 @@ class LLMEngine:
             ValueError: an empty prompt, an out-of-vocabulary token id, or a duplicate request id.
         """
         sp = sampling_params or SamplingParams()
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority={priority} is given but scheduling_policy={self.config.scheduling_policy!r} ignores it; "
+                "create the engine with scheduling_policy='priority'"
+            )
         ids, text = tokenized if tokenized is not None else self.tokenize(prompt)
         if request_id is None:
             request_id = str(self._counter)
@@ -448,6 +458,11 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError(f"{len(prios)} priorities for {len(prompts)} prompts; give one per prompt")
+        if any(prios) and eng.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority is given but scheduling_policy={eng.config.scheduling_policy!r} ignores it; "
+                "create the LLM with scheduling_policy='priority'"
+            )
         for rid, p, sp, tok, pr in zip(ids, prompts, sps, tokenized, prios):
             eng.add_request(rid, p, sp, tokenized=tok, priority=pr)
         bar = None
