@@ -44,7 +44,7 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: torch.devic
     sampling: list[ScheduledRequest] = []
     for s in decodes + prefills:
         req, start, n = s.request, s.start, s.num_new_tokens
-        ids.extend(req.token_ids[start : start + n])
+        ids.extend(req.tokens(start, start + n))
         pos.extend(range(start, start + n))
         slots.extend(kv.slot_mapping(req.request_id, start, start + n))
         if s.samples:
