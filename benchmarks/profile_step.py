@@ -8,7 +8,7 @@ The engine (bundled SmolLM2-135M-Instruct, float32, CPU) generates greedily for 
 2. a **timed run**: ``StepStats`` (schedule / model / sample / wall time of every step) plus
    ``time.perf_counter`` wrappers, installed by this script only, around
    ``workbench.engine.prepare_inputs``, the executor's ``execute_model``,
-   ``workbench.model.llama.paged_attention`` / ``write_kv`` and ``LLMEngine._record_step``;
+   the attention backend's ``paged_attention`` / ``write_kv`` and ``LLMEngine._record_step``;
 3. the same run under **cProfile** (Python-level view; profiling slows Python-heavy code, so its
    seconds are larger than the timed run's);
 4. the same run again, stepping the engine by hand, with **torch.profiler** on ``--profile-steps``
@@ -86,11 +86,12 @@ class Timers:
 def instrument(llm, timers: Timers) -> None:
     """Install the timing / labelling wrappers (module attributes and the engine object only)."""
     import workbench.engine as engine_mod
-    import workbench.model.llama as llama_mod
 
     eng = llm.llm_engine
-    llama_mod.paged_attention = timers.wrap("attention", llama_mod.paged_attention, LABEL_ATTN)
-    llama_mod.write_kv = timers.wrap("kv_write", llama_mod.write_kv, LABEL_KV_WRITE)
+    # the model calls its attention backend (the PyTorch reference here); wrap that object's two methods
+    attn = eng.executor.attn_backend
+    attn.paged_attention = timers.wrap("attention", attn.paged_attention, LABEL_ATTN)
+    attn.write_kv = timers.wrap("kv_write", attn.write_kv, LABEL_KV_WRITE)
     engine_mod.prepare_inputs = timers.wrap("prepare_inputs", engine_mod.prepare_inputs, "wb::prepare_inputs")
     eng.executor.execute_model = timers.wrap("forward", eng.executor.execute_model, LABEL_FORWARD)
     eng._record_step = timers.wrap("record_step", eng._record_step, "wb::record_step")

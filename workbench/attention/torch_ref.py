@@ -12,7 +12,8 @@ query token (a decode, or a one-token chunk), then the sequences that run severa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +30,14 @@ class DecodeGroup:
         start: row of the group's first token in the step's flat tokens.
         block_tables: ``[n, max_blocks]`` int64 (padded with 0).
         mask: ``[n, 1, 1, max_blocks * block_size]`` bool, True where a key position is valid.
+        context_lens: ``[n]`` int64 tokens of context (the query token included); optional, the
+            Triton backend counts them from ``mask`` when absent.
     """
 
     start: int
     block_tables: torch.Tensor
     mask: torch.Tensor
+    context_lens: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -52,6 +56,9 @@ class AttentionMetadata:
         prefill_context_lens: context lengths (tokens, the new ones included) of those sequences.
         prefill_block_tables: int64 block tables of those sequences (used when part of the
             context is already cached).
+        backend: the attention backend the model calls (see :mod:`workbench.attention.backend`);
+            ``None`` = the PyTorch reference. The executor sets it.
+        extras: per-step data a backend derives once and reuses across layers.
     """
 
     slot_mapping: torch.Tensor
@@ -60,6 +67,8 @@ class AttentionMetadata:
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]
     prefill_block_tables: list[torch.Tensor]
+    backend: Any = None
+    extras: dict = field(default_factory=dict, repr=False)
 
 
 def write_kv(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.attention import AttentionMetadata, DecodeGroup
+from workbench.attention import AttentionMetadata, DecodeGroup, get_backend
 from workbench.kv.manager import KVCacheManager, cdiv
 from workbench.model.llama import LlamaForCausalLM
 from workbench.scheduler import ScheduledRequest, SchedulerOutput
@@ -67,7 +67,7 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: torch.devic
         tables = [kv.get_block_table(s.request.request_id)[:width] for s in members]
         ctx = t([s.start + 1 for s in members])
         mask = (torch.arange(width * bs, device=device)[None, :] < ctx[:, None])[:, None, None, :]
-        groups.append(DecodeGroup(i, t([tb + [0] * (width - len(tb)) for tb in tables]), mask))
+        groups.append(DecodeGroup(i, t([tb + [0] * (width - len(tb)) for tb in tables]), mask, ctx))
         i = j
     meta = AttentionMetadata(
         slot_mapping=t(slots),
@@ -90,6 +90,8 @@ class LocalExecutor:
         num_blocks, block_size: the pool's shape.
         kv_dtype: dtype of the cache.
         device: where the cache lives.
+        attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"triton-interpret"``
+            (:mod:`workbench.attention.backend`); the Triton backends also do the block copies.
 
     The cache of each layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
     """
@@ -102,8 +104,10 @@ class LocalExecutor:
         kv_dtype: torch.dtype,
         device,
         num_cpu_blocks: int = 0,
+        attention_backend: str = "auto",
     ):
         self.model = model
+        self.attn_backend = get_backend(attention_backend, device)
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, head_dim)
@@ -127,6 +131,9 @@ class LocalExecutor:
     ) -> None:
         """Block copies of one step, in this order: device -> CPU (swap out), device -> device
         (copy-on-write), CPU -> device (swap in). Each pair is ``(src, dst)`` block ids."""
+        if self.attn_backend.name != "torch":  # the Triton gather / copy / scatter kernels
+            self.attn_backend.copy_blocks(self.kv_caches, self.cpu_caches, swap_out, copies, swap_in)
+            return
 
         def idx(pairs, i, dev):
             return torch.tensor([p[i] for p in pairs], dtype=torch.long, device=dev)
@@ -144,4 +151,5 @@ class LocalExecutor:
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> torch.Tensor:
         """Logits ``[num_sampling, vocab_size]`` (float32) of the sampling tokens."""
+        inp.meta.backend = self.attn_backend
         return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.logits_indices)

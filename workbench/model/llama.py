@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.attention import AttentionMetadata, paged_attention, write_kv
+from workbench.attention import TORCH_BACKEND, AttentionMetadata
 
 
 class RMSNorm(nn.Module):
@@ -83,8 +83,9 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = meta.backend or TORCH_BACKEND  # the PyTorch reference or the Triton kernels
+        attn.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        o = attn.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
