@@ -365,7 +365,7 @@ def test_write_report(tmp_path, steps, requests):
     doc = out.read_text(encoding="utf-8")
     assert doc.startswith("<!DOCTYPE html>")
     assert doc.count(PLOTLY_MARKER) == 1
-    assert doc.count("Plotly.newPlot(") == 4
+    assert doc.count("Plotly.newPlot(") == 6  # 4 + memory timeline + waste bars (no block maps given)
     assert "<script src=" not in doc  # nothing loaded from a CDN
     # title and config strings are escaped
     assert "<title>run &lt;&amp;&gt; 1</title>" in doc
@@ -396,7 +396,7 @@ def test_write_report_empty_inputs(tmp_path):
     out = write_report(tmp_path / "empty.html", [], [], summary, {})
     doc = out.read_text(encoding="utf-8")
     assert doc.count(PLOTLY_MARKER) == 1
-    assert doc.count("Plotly.newPlot(") == 4
+    assert doc.count("Plotly.newPlot(") == 6  # 4 + memory timeline + waste bars (no block maps given)
     assert "no data" in doc
     assert "<td>n/a</td>" in doc
     assert "<title>workbench run</title>" in doc

@@ -639,14 +639,17 @@ def write_report(
     summary: Mapping[str, Any],
     config: Mapping[str, Any],
     title: str = "workbench run",
+    block_maps: Sequence[Mapping[str, Any]] | None = None,
 ) -> Path:
     """Write a single self-contained HTML report of one run.
 
     The page holds the (escaped) title, a table of ``config``, a table of
     ``summary`` (e.g. from :func:`summary_table`; floats formatted by
-    :func:`format_value`), the four figures (KV blocks, batch composition,
-    latency CDFs, step times) and a legend defining the five KV memory
-    categories. plotly.js is inlined exactly once (with the first figure), so
+    :func:`format_value`), the figures (KV blocks, the KV pool in token slots
+    over time with the KV utilization, the run's waste breakdown bars, the block
+    map when ``block_maps`` are given, batch composition, latency CDFs, step
+    times; the new ones from :mod:`workbench.viz.figures`) and a legend defining
+    the five KV memory categories. plotly.js is inlined exactly once (with the first figure), so
     the file works offline; it is several MB large. Parent directories are
     created. The file is written as UTF-8 and overwritten if present.
 
@@ -658,6 +661,8 @@ def write_report(
         config: run configuration shown in the config table (nested values are
             rendered as JSON).
         title: page title and heading.
+        block_maps: block-map snapshots (``Recorder.block_maps``); ``None`` or
+            empty leaves the block map out.
 
     Returns:
         The path written, as a ``Path``.
@@ -667,9 +672,14 @@ def write_report(
         KeyError, TypeError, ValueError: propagated from the figure builders for
             malformed step records.
     """
+    from workbench.viz.figures import block_map_figure, memory_timeline_figure, waste_bars_figure
+
     out = Path(path)
     figures = [
         kv_blocks_figure(steps),
+        memory_timeline_figure(steps, unit="tokens", x="time"),
+        waste_bars_figure({"this run": steps} if steps else {}),
+        *([block_map_figure(block_maps)] if block_maps else []),
         batch_composition_figure(steps),
         latency_figure(requests),
         step_time_figure(steps),
