@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -81,10 +82,14 @@ def test_pool_too_small_for_one_sequence_is_a_startup_error(tiny_model):
 
 
 def test_memory_budget_too_small_is_a_startup_error(tiny_model):
-    # 0.9 x 1 MB - weights 427,264 B - activations 262,144 B = 210,592 B = 411 tokens of 512 B -> 25 blocks of 16
+    # 0.9 x 800 kB - weights 427,264 B - profiled activations (~0.1 MB) leaves room for fewer than 512
+    # tokens of 512 B: the error names the pool (whole blocks of 16) and the largest max_model_len that fits
     with pytest.raises(ValueError) as e:
-        LLM(model=str(tiny_model), device_memory=1_000_000, max_model_len=512, max_num_batched_tokens=64)
-    assert "400 tokens" in str(e.value) and "max_model_len <= 400" in str(e.value)
+        LLM(model=str(tiny_model), device_memory=800_000, max_model_len=512, max_num_batched_tokens=64)
+    m = re.search(r"holds ([\d,]+) tokens \((\d+) blocks x 16\).*max_model_len=512.*max_model_len <= ([\d,]+)", str(e.value))
+    assert m, str(e.value)
+    pool = int(m.group(1).replace(",", ""))
+    assert pool == int(m.group(2)) * 16 < 512 and int(m.group(3).replace(",", "")) == pool
 
 
 def test_empty_prompt_and_bad_token_ids_raise_before_anything_is_queued(tiny_llm):

@@ -44,8 +44,10 @@ def parse_bytes(value: str | int | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def engine_options(f):
-    """Every engine argument as a flag, named as in vLLM."""
+def engine_options(f=None, *, exclude: tuple[str, ...] = ()):
+    """Every engine argument as a flag, named as in vLLM (less the ``exclude``d flags)."""
+    if f is None:
+        return lambda g: engine_options(g, exclude=exclude)
     opts = [
         click.option(
             "--model",
@@ -143,8 +145,48 @@ def engine_options(f):
             show_default=True,
             help="auto (= --dtype) | float32 | bfloat16 | float16",
         ),
+        click.option(
+            "--kv-cache-memory-bytes",
+            default=None,
+            help="size of the KV pool (e.g. 64MiB), bypassing the profiled memory budget",
+        ),
+        click.option(
+            "--kv-allocator",
+            type=click.Choice(["paged", "static", "orca-max", "orca-pow2", "orca-oracle"]),
+            default="paged",
+            show_default=True,
+            help="paged (PagedAttention) or a contiguous baseline reserving each request's maximum length",
+        ),
+        click.option(
+            "--batching-policy",
+            type=click.Choice(["continuous", "static", "grouped"]),
+            default="continuous",
+            show_default=True,
+            help="continuous (iteration-level) or static / length-grouped batches that wait for their longest member",
+        ),
+        click.option(
+            "--block-map-every",
+            default=0,
+            show_default=True,
+            type=int,
+            help="record a per-block picture of the KV pool every N steps (0 = never), for the report's block map",
+        ),
+        click.option(
+            "--attention-backend",
+            type=click.Choice(["auto", "torch", "triton", "triton-interpret"]),
+            default="auto",
+            show_default=True,
+            help="paged attention: auto (Triton on CUDA if installed, else PyTorch), the PyTorch reference, "
+            "compiled Triton kernels (CUDA), or the Triton kernels in Triton's interpreter (slow; teaching)",
+        ),
     ]
     for o in reversed(opts):
+
+        def probe():
+            pass
+
+        if o(probe).__click_params__[0].name in exclude:
+            continue
         f = o(f)
     return f
 
@@ -153,6 +195,7 @@ def _engine_args(kw: dict) -> dict:
     keys = set(EngineConfig.__dataclass_fields__)
     args = {k: v for k, v in kw.items() if k in keys}
     args["device_memory"] = parse_bytes(args.get("device_memory"))
+    args["kv_cache_memory_bytes"] = parse_bytes(args.get("kv_cache_memory_bytes"))
     return args
 
 
@@ -233,6 +276,13 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
         ("KV utilization (mean over steps)", f"{s['kv_utilization_mean_frac']:.1%}"),
         ("KV blocks used (peak / pool)", f"{s['blocks_used_peak']:,} / {res.memory['num_blocks']:,}"),
         ("fragmentation rate (mean)", f"{s['fragmentation_rate_mean_frac']:.1%}"),
+        (
+            "KV pool: token states / reservation / internal / external / free (mean share)",
+            " / ".join(
+                f"{s[f'waste_{c}_pool_frac']:.1%}"
+                for c in ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "free")
+            ),
+        ),
         ("preemptions (recompute / swap)", f"{s['preemptions_total']} ({pre_rc} / {pre_sw})"),
     ]
     if swapped:
@@ -249,6 +299,77 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
         console.print(f"report:   {res.run_dir / 'report.html'}")
         console.print(f"steps:    {res.run_dir / 'steps.jsonl'}")
         console.print(f"requests: {res.run_dir / 'requests.jsonl'}")
+
+
+@main.command(short_help="Run one trace through several KV allocators / batching policies; one report.")
+@click.option(
+    "--kv-allocator",
+    "allocators",
+    default="paged,static,orca-max,orca-pow2,orca-oracle",
+    show_default=True,
+    help="comma-separated: paged, static, orca-max, orca-pow2, orca-oracle",
+)
+@click.option(
+    "--batching-policy",
+    "policies",
+    default="continuous",
+    show_default=True,
+    help="comma-separated: continuous, static, grouped",
+)
+@click.option("--dataset", type=click.Path(dir_okay=False), default=None, help="ShareGPT JSON or JSONL prompts")
+@click.option("--num-prompts", default=64, show_default=True, type=int, help="use the first N prompts")
+@click.option("--max-tokens", default=128, show_default=True, type=int, help="output cap per request")
+@click.option("--output-dir", default="runs", show_default=True, help="parent of the compare-<timestamp> folder")
+@engine_options(exclude=("kv_allocator", "batching_policy"))
+def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, **kw):
+    """Serve the same prompts (greedy) once per allocator x batching policy, and write compare.html
+    with the waste breakdown side by side, throughput, TTFT and requests batched.
+
+    \b
+    workbench compare --num-prompts 32 --kv-cache-memory-bytes 48MiB
+    workbench compare --kv-allocator paged --batching-policy continuous,static,grouped
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from workbench.bench.compare import compare as run_compare
+
+    console = Console()
+    try:
+        res = run_compare(
+            allocators=[a.strip() for a in allocators.split(",") if a.strip()],
+            batching_policies=[p.strip() for p in policies.split(",") if p.strip()],
+            dataset=dataset,
+            num_prompts=num_prompts,
+            max_tokens=max_tokens,
+            output_dir=output_dir,
+            **_engine_args(kw),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    t = Table(title="workbench compare: where the KV pool went (share of occupied memory)")
+    for c in ("variant", "token states", "reservation", "internal", "external", "batched", "tok/s", "TTFT p50"):
+        t.add_column(c, justify="left" if c == "variant" else "right")
+    for r in res.rows:
+        t.add_row(
+            r["variant"],
+            f"{r['token_states_used_frac']:.1%}",
+            f"{r['reservation_used_frac']:.1%}",
+            f"{r['internal_fragmentation_used_frac']:.1%}",
+            f"{r['external_fragmentation_used_frac']:.1%}",
+            f"{r['batched_reqs_mean']:.2f}",
+            f"{r['output_throughput_tok_s']:,.1f}",
+            "n/a" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.3f} s",
+        )
+    console.print(t)
+    if res.out_dir is not None:
+        console.print(f"report: {res.out_dir / 'compare.html'}")
+        console.print(f"rows:   {res.out_dir / 'compare.json'}")
+
+
+from workbench.kvcalc import kv_calc_command  # noqa: E402  (`workbench kv-calc`; its options live there)
+
+main.add_command(kv_calc_command)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,17 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (content-hashed
             full blocks, LRU eviction of freed cached blocks).
         kv_cache_dtype: ``"auto"`` = ``dtype``.
+        kv_cache_memory_bytes: size of the KV pool in bytes, bypassing the profiled budget
+            (as vLLM's ``kv_cache_memory_bytes``); ``num_gpu_blocks_override`` wins over it.
+        kv_allocator: ``"paged"`` (PagedAttention) or a contiguous baseline: ``"static"``,
+            ``"orca-max"``, ``"orca-pow2"``, ``"orca-oracle"`` (see :mod:`workbench.kv.contiguous`).
+        batching_policy: ``"continuous"``, ``"static"`` or ``"grouped"`` (see :mod:`workbench.scheduler`).
+        block_map_every: record a per-block picture of the pool every N steps (0 = never), for
+            the block-map figure.
+        attention_backend: ``"auto"`` (Triton on CUDA when installed, else PyTorch), ``"torch"``
+            (the PyTorch reference), ``"triton"`` (compiled Triton kernels, CUDA) or
+            ``"triton-interpret"`` (the same kernels in Triton's interpreter: any device, slow;
+            for teaching and tests). See :mod:`workbench.attention.backend`.
         cache_dir: where converted weights are cached (default ``~/.cache/workbench``,
             or ``$WORKBENCH_CACHE``).
 
@@ -112,6 +123,11 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
     kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
+    kv_allocator: str = "paged"
+    batching_policy: str = "continuous"
+    block_map_every: int = 0
+    attention_backend: str = "auto"
     cache_dir: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -179,6 +195,34 @@ class EngineConfig:
                 f"preemption_mode='swap' needs swap_space > 0 (GiB), got swap_space={self.swap_space}; "
                 "give e.g. swap_space=4, or use preemption_mode='recompute'"
             )
+        kvb = self.kv_cache_memory_bytes
+        if kvb is not None and (not isinstance(kvb, int) or isinstance(kvb, bool) or kvb < 1):
+            raise ValueError(f"kv_cache_memory_bytes={kvb!r} must be a positive integer (bytes of the KV pool)")
+        from workbench.kv.contiguous import KV_ALLOCATORS
+        from workbench.scheduler import BATCHING_POLICIES
+
+        if self.kv_allocator not in KV_ALLOCATORS:
+            raise ValueError(f"kv_allocator={self.kv_allocator!r} must be one of {', '.join(KV_ALLOCATORS)}")
+        if self.kv_allocator != "paged":
+            clash = [
+                name
+                for name, on in (
+                    ("enable_prefix_caching=True", self.enable_prefix_caching),
+                    ("preemption_mode='swap'", self.preemption_mode == "swap"),
+                )
+                if on
+            ]
+            if clash:
+                raise ValueError(
+                    f"kv_allocator={self.kv_allocator!r} reserves one contiguous region per request and cannot "
+                    f"share or move blocks, so {' and '.join(clash)} needs kv_allocator='paged'"
+                )
+        if self.batching_policy not in BATCHING_POLICIES:
+            raise ValueError(
+                f"batching_policy={self.batching_policy!r} must be one of {', '.join(BATCHING_POLICIES)}"
+            )
+        if not isinstance(self.block_map_every, int) or self.block_map_every < 0:
+            raise ValueError(f"block_map_every={self.block_map_every!r} must be an integer >= 0 (steps; 0 = never)")
         resolve_dtype(self.dtype)
         if self.kv_cache_dtype != "auto":
             try:
@@ -192,6 +236,9 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} must be 'cpu', 'cuda', 'cuda:N' or 'auto'")
         if self.device != "cpu" and self.device != "auto" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} was asked for but CUDA is not available; use device='cpu'")
+        from workbench.attention.backend import check_backend  # imports no Triton
+
+        check_backend(self.attention_backend, self.torch_device)
         if self.model != DEFAULT_MODEL and not Path(self.model).expanduser().exists():
             raise FileNotFoundError(
                 f"model={self.model!r} does not exist; give an HF model folder, a .safetensors file "

@@ -11,14 +11,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from workbench.config import EngineConfig, GiB
 from workbench.executor.local import LocalExecutor, prepare_inputs
+from workbench.kv.contiguous import ContiguousKVCacheManager, reservation_tokens
 from workbench.kv.manager import KVCacheManager
-from workbench.memory import MemoryBudget, plan_memory
+from workbench.memory import MemoryBudget, plan_memory, profile_activation_peak
 from workbench.metrics import Recorder, StepStats, request_record
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.loader import load_model
@@ -72,6 +73,9 @@ class LLMEngine:
             or a KV pool that cannot hold one ``max_model_len`` sequence.
     """
 
+    #: largest pool (blocks) for which ``block_map_every`` may record per-block pictures
+    MAX_BLOCK_MAP_BLOCKS = 65_536
+
     def __init__(self, config: EngineConfig, recorder: Recorder | None = None) -> None:
         self.config = config.validate()
         self.recorder = recorder or Recorder()
@@ -115,6 +119,17 @@ class LLMEngine:
             device_memory = EngineConfig.DEFAULT_CPU_DEVICE_MEMORY
         else:
             device_memory = config.device_memory
+        activation = 0
+        if config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
+            # vLLM's profile run: the peak of one forward at the step's token budget
+            activation = profile_activation_peak(
+                self.model,
+                self.max_num_batched_tokens,
+                self.max_model_len,
+                config.max_num_seqs,
+                config.block_size,
+                key=(str(self.model_folder), str(config.torch_dtype), str(self.device)),
+            )
         self.memory: MemoryBudget = plan_memory(
             hf_config=cfg,
             device=self.device,
@@ -122,14 +137,19 @@ class LLMEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             weights_bytes=self.model.weight_bytes(),
             kv_dtype=config.kv_torch_dtype,
-            act_dtype=config.torch_dtype,
             block_size=config.block_size,
             max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            activation_bytes=activation,
             num_gpu_blocks_override=config.num_gpu_blocks_override,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         )
         log.info(self.memory.summary_line())
+        if config.block_map_every and self.memory.num_blocks > self.MAX_BLOCK_MAP_BLOCKS:
+            raise ValueError(
+                f"block_map_every={config.block_map_every} records a picture of every block, but the pool has "
+                f"{self.memory.num_blocks:,} blocks (more than {self.MAX_BLOCK_MAP_BLOCKS:,}); size the pool with "
+                "num_gpu_blocks_override or kv_cache_memory_bytes, raise block_size, or set block_map_every=0"
+            )
         num_cpu_blocks = 0
         if config.preemption_mode == "swap":
             num_cpu_blocks = int(config.swap_space * GiB) // self.memory.block_bytes
@@ -138,9 +158,12 @@ class LLMEngine:
                     f"swap_space={config.swap_space} GiB holds no KV block of {self.memory.block_bytes:,} B; "
                     "raise swap_space or use preemption_mode='recompute'"
                 )
-        self.kv = KVCacheManager(
-            self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
-        )
+        if config.kv_allocator == "paged":
+            self.kv = KVCacheManager(
+                self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
+            )
+        else:
+            self.kv = ContiguousKVCacheManager(self.memory.num_blocks, config.block_size, config.kv_allocator)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -149,6 +172,7 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             scheduling_policy=config.scheduling_policy,
             preemption_mode=config.preemption_mode,
+            batching_policy=config.batching_policy,
         )
         self.executor = LocalExecutor(
             self.model,
@@ -157,6 +181,7 @@ class LLMEngine:
             config.kv_torch_dtype,
             self.device,
             num_cpu_blocks=num_cpu_blocks,
+            attention_backend=config.attention_backend,
         )
         self.requests: dict[str, Request] = {}  # every unfinished sequence, by its own id
         self.groups: dict[str, list[Request]] = {}  # the user's request id -> its n sequences
@@ -164,6 +189,9 @@ class LLMEngine:
         self._refused: list[Request] = []
         self._counter = 0
         self._step = 0
+        #: per request holding blocks: (request, most KV slots it may write, [(step stats, slots held,
+        #: slots written)]) — to settle reservation vs internal fragmentation when it releases them
+        self._holding: dict[str, tuple[Request, int, list]] = {}
         self.start_time = time.perf_counter()
         self.eos_token_id = self._eos_id()
 
@@ -210,11 +238,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         tokenized: tuple[list[int], str | None] | None = None,
         priority: int = 0,
+        expected_output_len: int | None = None,
     ) -> str:
         """Queue a request; return its id.
 
         ``tokenized`` = the ``(token_ids, text)`` of :meth:`tokenize` when the caller already has them.
         ``priority``: lower values are served first under ``scheduling_policy="priority"``.
+        ``expected_output_len``: the request's true output length (tokens), from a previous run or
+        the trace; ``kv_allocator="orca-oracle"`` / ``"orca-pow2"`` reserve by it and cap
+        ``max_tokens`` at it (so the reservation always holds the output).
         With ``sampling_params.n > 1`` the request runs as n sequences that share the prompt's
         blocks; its output (one ``RequestOutput`` with n ``outputs``) comes when all n finish.
 
@@ -232,6 +264,16 @@ class LLMEngine:
                 "create the engine with scheduling_policy='priority'"
             )
         ids, text = tokenized if tokenized is not None else self.tokenize(prompt)
+        allocator = self.config.kv_allocator
+        if allocator != "paged":
+            if sp.n > 1:
+                raise ValueError(
+                    f"n={sp.n} (parallel sampling) shares prompt blocks, which kv_allocator={allocator!r} cannot; "
+                    "use n=1 or kv_allocator='paged'"
+                )
+            reserve = reservation_tokens(allocator, len(ids), sp.max_tokens, self.max_model_len, expected_output_len)
+            if allocator in ("orca-oracle", "orca-pow2"):
+                sp = replace(sp, max_tokens=max(1, min(sp.max_tokens, expected_output_len)))
         if request_id is None:
             request_id = str(self._counter)
         if request_id in self.groups:
@@ -280,6 +322,8 @@ class LLMEngine:
                 child.finish_time = child.arrival_time
                 self._refused.append(child)
         else:
+            if allocator != "paged":
+                self.kv.declare(req.request_id, reserve)
             self.scheduler.add_request(req, group[1:])
         return request_id
 
@@ -335,7 +379,13 @@ class LLMEngine:
 
     def _record_step(self, out, finished, t_start, t_end, sched_s, model_s, sample_s) -> None:
         running = self.scheduler.running
-        usage = self.kv.usage({r.request_id: r.num_computed_tokens for r in running})
+        holders = {rid: self.requests[rid] for rid in self.kv.block_tables if rid in self.requests}
+        computed = {rid: r.num_computed_tokens for rid, r in holders.items()}
+        # most KV slots each can write: prompt + output cap, less the last sampled token (never written)
+        bound = {rid: r.num_prompt_tokens + r.max_output_tokens - 1 for rid, r in holders.items()}
+        waiting = self.scheduler.waiting
+        need = self.kv.reservation_blocks(waiting[0].request_id) if waiting else 0
+        usage = self.kv.usage(computed, bound, need)
         n_prefill = sum(1 for s in out.scheduled if s.is_prefill)
         st = StepStats(
             step=self._step,
@@ -375,9 +425,37 @@ class LLMEngine:
             prefix_cache_hits=out.prefix_cache_hits,
         )
         self._step += 1
+        bs = self.kv.block_size
+        for rid, r in holders.items():
+            entry = self._holding.get(rid)
+            if entry is None:
+                entry = self._holding[rid] = (r, bound[rid], [])
+            entry[2].append((st, len(self.kv.block_tables[rid]) * bs, computed[rid]))
+        for rid in [rid for rid in self._holding if rid not in self.kv.block_tables]:
+            self._settle(rid)
+        every = self.config.block_map_every
+        if every and st.step % every == 0:
+            self.recorder.record_block_map(self.kv.block_map(computed, need, st.step))
         self.recorder.record_step(st)
         for r in finished:
+            self.kv.forget(r.request_id)
             self.recorder.record_request(request_record(r, self.start_time))
+
+    def _settle(self, request_id: str) -> None:
+        """A request released its blocks (finished, aborted, preempted, swapped out): now that it is
+        known how many slots it wrote, move the slots it held but never wrote from *reservation*
+        to *internal fragmentation* in every step it held them (ARCHITECTURE §3)."""
+        req, bound, entries = self._holding.pop(request_id)
+        last_written = entries[-1][2] if entries else 0
+        # a recompute preemption resets num_computed_tokens: it then wrote what the last step saw
+        final = req.num_computed_tokens if req.num_computed_tokens >= last_written else last_written
+        for st, held, written in entries:
+            provisional = max(0, min(held, bound) - written)
+            true = max(0, min(held, final) - written)
+            delta = min(provisional - true, st.reservation)
+            if delta > 0:
+                st.reservation -= delta
+                st.internal_fragmentation += delta
 
     def _output(self, group: list[Request]) -> RequestOutput:
         outs = []
@@ -430,6 +508,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable = False,
         priority: Sequence[int] | None = None,
+        expected_output_lens: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched by the engine; outputs come in the prompts' order.
 
@@ -438,6 +517,8 @@ class LLM:
             sampling_params: one for all, or one per prompt.
             use_tqdm: show a progress bar of finished requests (or a tqdm-like factory).
             priority: one per prompt (lower = sooner) under ``scheduling_policy="priority"``.
+            expected_output_lens: one true output length (tokens) per prompt, for
+                ``kv_allocator="orca-oracle"`` / ``"orca-pow2"`` (see :meth:`LLMEngine.add_request`).
 
         Raises:
             ValueError: an empty prompt or a mismatched number of sampling params; raised before
@@ -463,8 +544,16 @@ class LLM:
                 f"priority is given but scheduling_policy={eng.config.scheduling_policy!r} ignores it; "
                 "create the LLM with scheduling_policy='priority'"
             )
-        for rid, p, sp, tok, pr in zip(ids, prompts, sps, tokenized, prios):
-            eng.add_request(rid, p, sp, tokenized=tok, priority=pr)
+        lens = list(expected_output_lens) if expected_output_lens is not None else [None] * len(prompts)
+        if len(lens) != len(prompts):
+            raise ValueError(f"{len(lens)} expected output lengths for {len(prompts)} prompts; give one per prompt")
+        if eng.config.kv_allocator in ("orca-oracle", "orca-pow2") and None in lens:
+            raise ValueError(
+                f"kv_allocator={eng.config.kv_allocator!r} needs each prompt's true output length: pass "
+                "expected_output_lens (e.g. from a kv_allocator='paged' run), or use kv_allocator='orca-max'"
+            )
+        for rid, p, sp, tok, pr, n in zip(ids, prompts, sps, tokenized, prios, lens):
+            eng.add_request(rid, p, sp, tokenized=tok, priority=pr, expected_output_len=n)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

@@ -7,19 +7,33 @@ KV bytes per token = 2 (K and V) × num_hidden_layers × num_key_value_heads × 
 bytes of the KV dtype (vLLM paper, Kwon et al., SOSP 2023, §3; vLLM's
 ``vllm/utils.get_kv_cache_torch_dtype`` and cache engine).
 
-Capacity: on CUDA the device's total memory (``torch.cuda.mem_get_info``); on CPU the
-declared ``device_memory``. The activation peak is an analytical upper bound of the
-transient tensors of one forward at ``max_num_batched_tokens`` tokens (the hidden
-state, the fused QKV and gate/up outputs, the attention output, and float32 logits
-of ``max_num_seqs`` rows); communication buffers are 0 on one device.
-``num_gpu_blocks_override`` bypasses the budget, as in vLLM.
+Capacity: on CUDA the device's total memory (``torch.cuda.mem_get_info``, with the
+device's name and NVML's view of used memory from ``pynvml`` when it is present); on CPU
+the declared ``device_memory``.
+
+The activation peak is *profiled*, as vLLM's ``profile_run`` does: one dummy forward of
+``max_num_batched_tokens`` prompt tokens (sequences of at most ``max_model_len`` tokens,
+float32 logits for up to ``max_num_seqs`` rows) while the peak of the memory it allocates
+is measured — on CUDA with ``torch.cuda.max_memory_allocated``; on CPU, where PyTorch keeps
+no allocator statistics, by :class:`LiveTensorBytes`, which follows every tensor the forward
+creates and frees (a ``TorchDispatchMode``). On CUDA, memory used outside PyTorch (the CUDA
+context, NCCL; NVML's used − PyTorch's reserved) is subtracted too. Communication buffers
+are 0 on one device.
+
+``kv_cache_memory_bytes`` and ``num_gpu_blocks_override`` bypass the profile, as in vLLM.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+log = logging.getLogger("workbench")
 
 
 def kv_bytes_per_token(hf_config, kv_dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
@@ -39,7 +53,9 @@ def kv_bytes_per_token(hf_config, kv_dtype: torch.dtype, tensor_parallel_size: i
 
 
 def activation_peak_bytes(hf_config, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype) -> int:
-    """Upper bound (bytes) of one forward's transient tensors; see the module docstring."""
+    """Analytical estimate (bytes) of one forward's largest live tensors: the hidden state, fused
+    QKV and gate/up outputs and float32 logits. Used by ``kv-calc`` and as a cross-check of the
+    profile (:func:`profile_activation_peak`), which is what the engine uses."""
     elem = torch.empty((), dtype=dtype).element_size()
     h = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
@@ -49,9 +65,185 @@ def activation_peak_bytes(hf_config, max_num_batched_tokens: int, max_num_seqs: 
     return max_num_batched_tokens * per_token + logits
 
 
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of the tensors created while the mode is active (CPU or any device).
+
+    Every aten op's outputs are followed: an output whose storage is new counts its bytes until
+    the last tensor viewing that storage is freed; views and in-place results of tensors that
+    existed before (weights, the KV cache) count nothing. Workspace an op allocates and frees
+    inside itself is not seen, so the figure is a lower bound of the true peak by that much.
+
+    Attributes:
+        current: bytes live now.
+        peak: most bytes live at once since the mode was entered.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, list[int]] = {}  # storage data_ptr -> [bytes, tensors alive]
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._live[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            st = t.untyped_storage()
+            key, nbytes = st.data_ptr(), st.nbytes()
+            if nbytes == 0:
+                continue
+            if key in self._live:
+                self._live[key][1] += 1
+            elif key in inputs:
+                continue  # a view or in-place result of a tensor from before the profile
+            else:
+                self._live[key] = [nbytes, 1]
+                self.current += nbytes
+                self.peak = max(self.peak, self.current)
+            weakref.finalize(t, self._release, key)
+        return out
+
+
+def _dummy_batch(num_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int, vocab: int, device):
+    """Inputs of a profile forward: prompts of at most ``max_model_len`` tokens, logits for up to
+    ``max_num_seqs`` rows. Returns ``(input_ids, positions, meta, logits_indices, num_blocks)``."""
+    from workbench.attention import AttentionMetadata
+
+    lens = []
+    left = num_tokens
+    while left > 0:
+        lens.append(min(left, max_model_len))
+        left -= lens[-1]
+    ids, pos, slots, tables = [], [], [], []
+    block = 0
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append(torch.arange(block, block + nb, device=device))
+        slots.extend(range(block * block_size, block * block_size + n))
+        pos.extend(range(n))
+        block += nb
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (num_tokens,), generator=g).to(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device),
+        num_decode=0,
+        decode_groups=[],
+        prefill_query_lens=lens,
+        prefill_context_lens=lens,
+        prefill_block_tables=tables,
+    )
+    rows = min(max_num_seqs, num_tokens)
+    logits_idx = torch.arange(num_tokens - rows, num_tokens, device=device)
+    return ids, torch.tensor(pos, device=device), meta, logits_idx, block
+
+
+_PROFILES: dict[tuple, int] = {}
+
+
+def _profile(model, num_tokens, max_model_len, max_num_seqs, block_size) -> int:
+    cfg = model.config
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    ids, pos, meta, logits_idx, nb = _dummy_batch(
+        num_tokens, max_model_len, max_num_seqs, block_size, cfg.vocab_size, device
+    )
+    # one small cache shared by every layer: its size is not an activation
+    cache = torch.zeros((2, nb, block_size, cfg.num_key_value_heads, head_dim), dtype=dtype, device=device)
+    caches = [cache] * cfg.num_hidden_layers
+    with torch.inference_mode():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            model(ids, pos, caches, meta, logits_idx)
+            torch.cuda.synchronize(device)
+            return int(torch.cuda.max_memory_allocated(device) - before)
+        mode = LiveTensorBytes()
+        with mode:
+            logits = model(ids, pos, caches, meta, logits_idx)
+            del logits
+        return int(mode.peak)
+
+
+def profile_activation_peak(
+    model, num_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int, key=None
+) -> int:
+    """Measured peak bytes of one forward at ``num_tokens`` tokens (see the module docstring).
+
+    Args:
+        model: a :class:`~workbench.model.llama.LlamaForCausalLM` on its device and dtype.
+        num_tokens: tokens of the profile batch (``max_num_batched_tokens``).
+        max_model_len: longest sequence in it (tokens).
+        max_num_seqs: rows of logits computed (the most sequences that sample in one step).
+        block_size: tokens per block of the dummy cache.
+        key: a hashable identity of the model's architecture and dtype; equal keys reuse an
+            earlier measurement in this process (engines built again on the same model).
+
+    Returns:
+        bytes (the dummy cache excluded).
+    """
+    if key is None:
+        return _profile(model, num_tokens, max_model_len, max_num_seqs, block_size)
+    k = (key, num_tokens, max_model_len, max_num_seqs, block_size)
+    if k not in _PROFILES:
+        _PROFILES[k] = _profile(model, num_tokens, max_model_len, max_num_seqs, block_size)
+    return _PROFILES[k]
+
+
+def nvml_memory(device_index: int = 0) -> dict | None:
+    """``{"name", "total", "used"}`` (bytes) of an NVIDIA device from NVML, or ``None``.
+
+    Returns ``None``, silently, when the ``nvidia-ml-py`` package or an NVIDIA driver is absent.
+    """
+    try:
+        import pynvml  # from nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            info = pynvml.nvmlDeviceGetMemoryInfo(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            return {"name": name.decode() if isinstance(name, bytes) else name, "total": info.total, "used": info.used}
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return None
+
+
 @dataclass
 class MemoryBudget:
-    """Where the device memory goes, in bytes (and the KV pool in blocks and tokens)."""
+    """Where the device memory goes, in bytes (and the KV pool in blocks and tokens).
+
+    Attributes:
+        capacity_bytes: device total (CUDA) or declared ``device_memory`` (CPU).
+        weights_bytes: the model's parameters.
+        activation_bytes: profiled peak of one forward at ``max_num_batched_tokens`` (0 when a
+            bypass set the pool size).
+        non_torch_bytes: CUDA memory used outside PyTorch (context, NCCL) at startup; 0 on CPU.
+        comm_buffer_bytes: communication buffers (0 on one device).
+        kv_budget_bytes: what is left for the KV pool.
+        source: ``"cpu device_memory"``, ``"cuda"``, ``"kv_cache_memory_bytes"`` or
+            ``"num_gpu_blocks_override"``.
+        device_name: the GPU's name (from NVML or CUDA), ``"cpu"`` otherwise.
+    """
 
     capacity_bytes: int
     gpu_memory_utilization: float
@@ -63,7 +255,9 @@ class MemoryBudget:
     block_size: int
     num_blocks: int
     max_model_len: int
-    source: str  # "cpu device_memory", "cuda", or "num_gpu_blocks_override"
+    source: str
+    non_torch_bytes: int = 0
+    device_name: str = "cpu"
 
     @property
     def block_bytes(self) -> int:
@@ -84,10 +278,16 @@ class MemoryBudget:
 
     def summary_line(self) -> str:
         mib = 1 << 20
+        act = (
+            f"activations {self.activation_bytes / mib:,.1f} MiB (profiled)"
+            if self.source in ("cuda", "cpu device_memory")
+            else "activations not profiled"
+        )
+        other = f" | outside torch {self.non_torch_bytes / mib:,.1f} MiB" if self.non_torch_bytes else ""
         return (
             f"memory budget ({self.source}): capacity {self.capacity_bytes / mib:,.0f} MiB x "
             f"{self.gpu_memory_utilization} | weights {self.weights_bytes / mib:,.1f} MiB | "
-            f"activations {self.activation_bytes / mib:,.1f} MiB | buffers {self.comm_buffer_bytes / mib:,.1f} MiB | "
+            f"{act} | buffers {self.comm_buffer_bytes / mib:,.1f} MiB{other} | "
             f"KV pool {self.kv_pool_bytes / mib:,.1f} MiB = {self.num_blocks:,} blocks x {self.block_size} tokens "
             f"= {self.kv_pool_tokens:,} tokens ({self.kv_bytes_per_token:,} B/token) | "
             f"max concurrency {self.max_concurrency:.2f}x at max_model_len={self.max_model_len}"
@@ -95,8 +295,28 @@ class MemoryBudget:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(block_bytes=self.block_bytes, kv_pool_bytes=self.kv_pool_bytes, kv_pool_tokens=self.kv_pool_tokens)
+        d.update(
+            block_bytes=self.block_bytes,
+            kv_pool_bytes=self.kv_pool_bytes,
+            kv_pool_tokens=self.kv_pool_tokens,
+            max_concurrency=self.max_concurrency,
+        )
         return d
+
+
+def device_capacity(device: torch.device, device_memory: int | None) -> tuple[int, int, str]:
+    """``(capacity, used outside PyTorch, device name)`` in bytes.
+
+    CUDA: total from ``torch.cuda.mem_get_info``; used outside PyTorch = (total - free) -
+    ``torch.cuda.memory_reserved``; the name from NVML when available. CPU: ``device_memory``.
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        outside = max(0, (total - free) - torch.cuda.memory_reserved(device))
+        nv = nvml_memory(device.index or 0)
+        name = nv["name"] if nv else torch.cuda.get_device_name(device)
+        return int(total), int(outside), name
+    return int(device_memory), 0, "cpu"
 
 
 def plan_memory(
@@ -107,43 +327,61 @@ def plan_memory(
     gpu_memory_utilization: float,
     weights_bytes: int,
     kv_dtype: torch.dtype,
-    act_dtype: torch.dtype,
     block_size: int,
     max_model_len: int,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
+    activation_bytes: int = 0,
+    comm_buffer_bytes: int = 0,
     num_gpu_blocks_override: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> MemoryBudget:
     """Compute the budget and the number of KV blocks.
+
+    ``KV budget = capacity x gpu_memory_utilization - weights - activation peak - memory used
+    outside PyTorch - communication buffers``; ``num_blocks = KV budget // block bytes``.
+    ``kv_cache_memory_bytes`` (then ``num_blocks = it // block bytes``) and
+    ``num_gpu_blocks_override`` bypass it (vLLM's engine arguments of the same names).
+
+    Args:
+        activation_bytes: the profiled peak (:func:`profile_activation_peak`).
 
     Raises:
         ValueError: the budget leaves no room for KV, or the pool cannot hold one
             ``max_model_len`` sequence (names the pool in tokens, the requested length,
             the largest length that fits, and how to fix it).
     """
-    per_token = kv_bytes_per_token(hf_config, kv_dtype)
+    per_token = kv_bytes_per_token(hf_config, kv_dtype, tensor_parallel_size)
     block_bytes = per_token * block_size
-    act = activation_peak_bytes(hf_config, max_num_batched_tokens, max_num_seqs, act_dtype)
-    if device.type == "cuda":
-        capacity = torch.cuda.mem_get_info(device)[1]
-        source = "cuda"
-    else:
-        capacity = int(device_memory)
-        source = "cpu device_memory"
-    budget = int(capacity * gpu_memory_utilization) - weights_bytes - act
+    capacity, outside, name = device_capacity(device, device_memory)
+    source = "cuda" if device.type == "cuda" else "cpu device_memory"
+    act = activation_bytes
+    budget = int(capacity * gpu_memory_utilization) - weights_bytes - act - outside - comm_buffer_bytes
+    mib = 1 << 20
     if num_gpu_blocks_override is not None:
         num_blocks = num_gpu_blocks_override
         source = "num_gpu_blocks_override"
+        budget = num_blocks * block_bytes
+    elif kv_cache_memory_bytes is not None:
+        num_blocks = kv_cache_memory_bytes // block_bytes
+        source = "kv_cache_memory_bytes"
+        budget = kv_cache_memory_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={kv_cache_memory_bytes:,} holds no KV block of {block_bytes:,} bytes "
+                f"(block_size={block_size} x {per_token:,} B/token); give at least {max_model_len * per_token:,} "
+                f"bytes to hold one max_model_len={max_model_len:,} sequence"
+            )
     else:
         if budget < block_bytes:
-            mib = 1 << 20
-            enough = (weights_bytes + act + max_model_len * per_token) / gpu_memory_utilization
+            enough = (weights_bytes + act + outside + comm_buffer_bytes + max_model_len * per_token)
+            enough /= gpu_memory_utilization
             raise ValueError(
                 f"not enough memory for the KV cache: capacity {capacity / mib:,.0f} MiB x gpu_memory_utilization "
-                f"{gpu_memory_utilization} - weights {weights_bytes / mib:,.1f} MiB - activations {act / mib:,.1f} MiB "
-                f"= {budget / mib:,.1f} MiB, not even one block. One max_model_len={max_model_len:,} sequence "
-                f"needs {max_model_len * per_token / mib:,.1f} MiB: give at least {enough / mib:,.0f} MiB "
-                f"(device_memory / gpu_memory_utilization), or lower max_model_len or max_num_batched_tokens"
+                f"{gpu_memory_utilization} - weights {weights_bytes / mib:,.1f} MiB - activations {act / mib:,.1f} MiB"
+                f" - other {(outside + comm_buffer_bytes) / mib:,.1f} MiB = {budget / mib:,.1f} MiB, not even one "
+                f"block. One max_model_len={max_model_len:,} sequence needs {max_model_len * per_token / mib:,.1f} "
+                f"MiB: give at least {enough / mib:,.0f} MiB (device_memory / gpu_memory_utilization), or lower "
+                "max_model_len or max_num_batched_tokens (the activation peak grows with it)"
             )
         num_blocks = budget // block_bytes
     mb = MemoryBudget(
@@ -151,19 +389,22 @@ def plan_memory(
         gpu_memory_utilization=gpu_memory_utilization,
         weights_bytes=weights_bytes,
         activation_bytes=act,
-        comm_buffer_bytes=0,
+        comm_buffer_bytes=comm_buffer_bytes,
         kv_budget_bytes=max(budget, 0),
         kv_bytes_per_token=per_token,
         block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         source=source,
+        non_torch_bytes=outside,
+        device_name=name,
     )
     if mb.kv_pool_tokens < max_model_len:
         raise ValueError(
             f"the KV pool holds {mb.kv_pool_tokens:,} tokens ({num_blocks:,} blocks x {block_size}), fewer than "
             f"max_model_len={max_model_len:,}: one sequence of that length cannot fit. Set max_model_len <= "
             f"{mb.kv_pool_tokens:,}, or give the KV cache more memory (device_memory, gpu_memory_utilization, "
-            f"num_gpu_blocks_override; {max_model_len:,} tokens need {max_model_len * per_token / (1 << 20):,.1f} MiB)"
+            f"kv_cache_memory_bytes, num_gpu_blocks_override; {max_model_len:,} tokens need "
+            f"{max_model_len * per_token / mib:,.1f} MiB)"
         )
     return mb

@@ -12,6 +12,15 @@ Each step (Orca, Yu et al., OSDI 2022; vLLM's v1 scheduler, vllm/v1/core/sched/s
    ``max_num_seqs`` run and budget remains; with chunked prefill a prompt may
    take only part of the remaining budget; a waiting request never preempts.
 
+The baselines of batching (``batching_policy``): ``static`` forms a batch of up to
+``max_num_seqs`` waiting requests, in arrival order, and admits no other request until
+every member has finished (the batch waits for its longest member, as a padded batch
+of FasterTransformer or ``transformers.generate`` does); ``grouped`` does the same with
+members of similar prompt length (the oldest waiting request and the ``max_num_seqs - 1``
+waiting requests closest to it in length), which shortens the wait for the longest.
+Both still run ragged (unpadded) batches here, so neither pays for padding tokens:
+their measured gap to continuous batching is a lower bound.
+
 The oldest running request can always proceed (the pool holds one
 ``max_model_len`` sequence, checked at startup), so the loop cannot deadlock.
 """
@@ -24,6 +33,9 @@ from dataclasses import dataclass, field
 
 from workbench.kv.manager import KVCacheManager
 from workbench.request import Request, RequestStatus
+
+#: values of ``batching_policy``
+BATCHING_POLICIES = ("continuous", "static", "grouped")
 
 
 @dataclass
@@ -90,6 +102,8 @@ class Scheduler:
         preemption_mode: ``"recompute"`` (free the victim's blocks; it recomputes later) or
             ``"swap"`` (copy its blocks to the CPU swap pool and back; falls back to recompute
             when the swap pool is full). vLLM paper, Kwon et al., SOSP 2023, §4.5.
+        batching_policy: ``"continuous"`` (iteration-level, the default), ``"static"`` or
+            ``"grouped"`` (see the module docstring).
 
     Raises:
         ValueError: an unknown policy or mode.
@@ -104,7 +118,10 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
         preemption_mode: str = "recompute",
+        batching_policy: str = "continuous",
     ) -> None:
+        if batching_policy not in BATCHING_POLICIES:
+            raise ValueError(f"batching_policy={batching_policy!r} must be one of {BATCHING_POLICIES}")
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy={scheduling_policy!r} must be 'fcfs' or 'priority'")
         if preemption_mode not in ("recompute", "swap"):
@@ -122,6 +139,10 @@ class Scheduler:
         #: parallel-sampling siblings waiting for their first sibling's prompt, keyed by its id
         self.fork_pending: dict[str, list[Request]] = {}
         self.num_preemptions_total = 0
+        self.batching_policy = batching_policy
+        #: ids of the current static / grouped batch's unfinished members
+        self.batch: set[str] = set()
+        self.num_batches = 0
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
@@ -140,6 +161,7 @@ class Scheduler:
         """End a request in any state and release everything it holds."""
         request.status = status
         request.finish_time = time.perf_counter()
+        self.batch.discard(request.request_id)
         self.kv.free(request.request_id)
         self.kv.drop_swapped(request.request_id)
         for q in (self.running, self.waiting, self.swapped):
@@ -155,6 +177,8 @@ class Scheduler:
         sibs = self.fork_pending.pop(request.request_id, None)
         if sibs:
             self.waiting.extend(sibs)
+            if self.batching_policy != "continuous":
+                self.batch.update(s.request_id for s in sibs)
 
     # ------------------------------------------------------------------ step
     def _chunk(self, request: Request, budget: int, computed: int | None = None) -> int:
@@ -274,6 +298,11 @@ class Scheduler:
         # 3. waiting requests, only when nothing was preempted this step and none is swapped out
         if self.policy == "priority" and self.waiting:
             self.waiting = deque(sorted(self.waiting, key=self._key))
+        if self.batching_policy != "continuous":
+            self._admit_batch(out, budget, scheduled_ids)
+            out.block_copies = self.kv.pending_copies
+            self.kv.pending_copies = []
+            return out
         while (
             self.waiting
             and budget > 0
@@ -305,6 +334,45 @@ class Scheduler:
         out.block_copies = self.kv.pending_copies
         self.kv.pending_copies = []
         return out
+
+    def _form_batch(self) -> None:
+        """Choose the next static / grouped batch among the waiting requests."""
+        waiting = list(self.waiting)
+        k = self.max_num_seqs
+        if self.batching_policy == "static":
+            members = waiting[:k]
+        else:
+            first = waiting[0]
+            rest = sorted(
+                waiting[1:], key=lambda r: (abs(r.num_prompt_tokens - first.num_prompt_tokens), r.arrival_time)
+            )
+            members = [first, *rest[: k - 1]]
+        self.batch = {r.request_id for r in members}
+        self.num_batches += 1
+
+    def _admit_batch(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
+        """Static / grouped batching: admit the current batch's waiting members only; form a new
+        batch when every member of the last one has finished."""
+        if not self.batch and self.waiting and not self.running and not self.swapped:
+            self._form_batch()
+        if out.preempted or self.swapped:
+            return
+        for req in [r for r in self.waiting if r.request_id in self.batch]:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            n = self._chunk(req, budget)
+            if n == 0 or not self.kv.allocate_slots(
+                req.request_id, req.num_computed_tokens + n, write_start=req.num_computed_tokens
+            ):
+                break
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.perf_counter()
+            self.running.append(req)
+            self._add(out, req, n)
+            scheduled_ids.add(req.request_id)
+            budget -= n
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         s = ScheduledRequest(req, req.num_computed_tokens, n)
@@ -354,6 +422,8 @@ class Scheduler:
         itself (so samples its own first token), which copies the shared last block on write."""
         p = first.num_prompt_tokens
         for sib in self.fork_pending.pop(first.request_id):
+            if first.request_id in self.batch:
+                self.batch.add(sib.request_id)
             self.kv.fork(first.request_id, sib.request_id, p)
             sib.num_computed_tokens = p - 1
             if sib.first_scheduled_time is None:

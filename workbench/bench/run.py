@@ -16,6 +16,7 @@ from pathlib import Path
 from workbench.bench.datasets import PromptRecord, default_prompts, load_prompts
 from workbench.engine import LLM, RequestOutput
 from workbench.metrics import JsonlSink, Recorder
+from workbench.metrics.waste import flatten_breakdown, waste_breakdown
 from workbench.sampling import SamplingParams
 
 
@@ -51,6 +52,8 @@ def run_job(
     output_dir: str | Path | None = "runs",
     progress: bool = True,
     llm: LLM | None = None,
+    expected_output_lens: list[int] | None = None,
+    run_name: str | None = None,
     **engine_args,
 ) -> JobResult:
     """Run a prompt set through the engine and write the run folder.
@@ -64,6 +67,11 @@ def run_job(
         output_dir: parent of the run folder; ``None`` writes nothing.
         progress: show a progress bar of finished requests.
         llm: an already built engine (``engine_args`` are then ignored).
+        expected_output_lens: true output length (tokens) per prompt, for the ``orca-oracle`` and
+            ``orca-pow2`` allocators. When they are not given, the records' ``output_len`` is used if
+            every record has one; otherwise a ``kv_allocator="paged"`` run of the same prompts
+            measures them first (its outputs are the model's own, so the oracle is exact).
+        run_name: the run folder's name under ``output_dir`` (default: a timestamp).
         **engine_args: :class:`~workbench.config.EngineConfig` fields.
 
     Raises:
@@ -88,11 +96,34 @@ def run_job(
         )
         for r in records
     ]
+    allocator = llm.llm_engine.config.kv_allocator if llm is not None else engine_args.get("kv_allocator", "paged")
+    if allocator in ("orca-oracle", "orca-pow2") and expected_output_lens is None:
+        if all(r.output_len for r in records):
+            expected_output_lens = [r.output_len for r in records]
+        else:
+            base = {k: v for k, v in engine_args.items() if k not in ("kv_allocator", "batching_policy")}
+            pre = run_job(
+                dataset=dataset,
+                num_prompts=num_prompts,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                ignore_eos=ignore_eos,
+                output_dir=None,
+                progress=progress,
+                **base,
+            )
+            expected_output_lens = [max(1, len(o.outputs[0].token_ids)) for o in pre.outputs]
     run_dir = None
     sinks = []
     if output_dir is not None:
-        run_dir = Path(output_dir) / datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        run_dir = Path(output_dir) / (run_name or datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
         sinks.append(JsonlSink(run_dir))
+    if llm is not None:
+        # a fresh recorder holds only this job's steps; live sinks already attached (a LiveMonitor)
+        # follow it, earlier run folders' JSONL sinks do not
+        sinks += [k for k in llm.llm_engine.recorder.sinks if not isinstance(k, JsonlSink)]
     recorder = Recorder(sinks)
     if llm is None:
         llm = LLM(recorder=recorder, **engine_args)
@@ -101,13 +132,20 @@ def run_job(
     eng = llm.llm_engine
     prompts = [to_engine_prompt(r) for r in records]
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=progress)
+    outputs = llm.generate(prompts, params, use_tqdm=progress, expected_output_lens=expected_output_lens)
     wall = time.perf_counter() - t0
     recorder.close()
     steps = [s.to_dict() for s in recorder.steps]
     reqs = [r.to_dict() for r in recorder.requests]
     summary = summary_table(steps, reqs, wall)
     summary["startup_s"] = eng.load_time_s
+    summary.update(
+        {
+            f"waste_{k}": v
+            for k, v in flatten_breakdown(waste_breakdown(steps)).items()
+            if k.endswith(("_pool_frac", "_used_frac"))
+        }
+    )
     memory = eng.memory.to_dict()
     if run_dir is not None:
         config = eng.config.to_dict() | {
@@ -123,5 +161,7 @@ def run_job(
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (run_dir / "config.json").write_text(json.dumps(config | {"memory": memory}, indent=2, default=str))
-        write_report(run_dir / "report.html", steps, reqs, summary, config, title="workbench run")
+        write_report(
+            run_dir / "report.html", steps, reqs, summary, config, title="workbench run", block_maps=recorder.block_maps
+        )
     return JobResult(outputs, records, recorder, summary, run_dir, wall, memory)

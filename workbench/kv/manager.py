@@ -255,11 +255,26 @@ class KVCacheManager:
         table = self.block_tables[request_id]
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def usage(self, num_computed: dict[str, int]) -> KVUsage:
-        """The pool split after a step.
+    def usage(
+        self,
+        num_computed: dict[str, int],
+        final_bound: dict[str, int] | None = None,
+        waiting_need_blocks: int = 0,
+    ) -> KVUsage:
+        """The pool split after a step (ARCHITECTURE §3), in token slots.
+
+        Allocated slots that hold no token state are *reservation* when the request may still
+        write them (below ``final_bound``) and *internal fragmentation* otherwise. Which of them a
+        request really writes is known only when it ends; the engine then moves the unwritten
+        part from reservation to internal fragmentation in the recorded steps
+        (:meth:`workbench.engine.LLMEngine` does this), so a run's figures are exact.
 
         Args:
             num_computed: tokens with K/V in the cache, per request holding blocks.
+            final_bound: most KV slots each request can ever write (prompt + output cap - 1);
+                ``None`` counts every unwritten allocated slot as internal fragmentation.
+            waiting_need_blocks: ignored (paged allocation has no external fragmentation: any
+                free block serves any request).
         """
         bs = self.block_size
         allocated = (self.pool.num_blocks - self.pool.num_free_blocks) * bs
@@ -277,15 +292,70 @@ class KVCacheManager:
             token_states = sum(filled.values())
         else:
             token_states = sum(num_computed.get(r, 0) for r in self.block_tables)
+        waste = allocated - token_states
+        reservation = 0
+        if final_bound is not None:
+            for r, table in self.block_tables.items():
+                c = num_computed.get(r, 0)
+                reservation += max(0, min(len(table) * bs, final_bound.get(r, 0)) - c)
+            reservation = min(reservation, waste)
         free = self.pool.num_free_blocks * bs
         return KVUsage(
             pool=self.pool_tokens,
             token_states=token_states,
-            reservation=0,
-            internal_fragmentation=allocated - token_states,
+            reservation=reservation,
+            internal_fragmentation=waste - reservation,
             external_fragmentation=0,
             free=free,
         )
+
+    def block_map(self, num_computed: dict[str, int], waiting_need_blocks: int = 0, step: int = 0) -> dict:
+        """A per-block picture of the pool, for the block-map figure.
+
+        Returns:
+            ``{"step", "allocator", "block_size", "owner", "owner_ids", "filled", "state"}``:
+            ``owner[b]`` indexes ``owner_ids`` (the first request holding block ``b``) or is -1;
+            ``filled[b]`` = slots of ``b`` holding token states; ``state[b]`` is ``"used"``,
+            ``"free"``, or ``"cached"`` (free but holding a prefix-cached block).
+        """
+        bs = self.block_size
+        n = self.pool.num_blocks
+        owner = [-1] * n
+        filled = [0] * n
+        state = ["free"] * n
+        ids: list[str] = []
+        for r, table in self.block_tables.items():
+            k = len(ids)
+            ids.append(r)
+            c = num_computed.get(r, 0)
+            for i, b in enumerate(table):
+                if owner[b] < 0:
+                    owner[b] = k
+                state[b] = "used"
+                filled[b] = max(filled[b], max(0, min(bs, c - i * bs)))
+        if self.enable_prefix_caching:
+            for b in range(n):
+                if state[b] == "free" and self.pool.block_hash[b] is not None:
+                    state[b] = "cached"
+        return {
+            "step": step,
+            "allocator": "paged",
+            "block_size": bs,
+            "owner": owner,
+            "owner_ids": ids,
+            "filled": filled,
+            "state": state,
+        }
+
+    # the contiguous allocators' reservation interface; paged allocation reserves nothing ahead
+    def declare(self, request_id: str, reserve_tokens: int) -> None:
+        return None
+
+    def forget(self, request_id: str) -> None:
+        return None
+
+    def reservation_blocks(self, request_id: str) -> int:
+        return 0
 
     def check_invariants(self) -> None:
         """Assert that block tables and reference counts agree (for tests)."""

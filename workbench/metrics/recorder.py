@@ -10,7 +10,12 @@ from workbench.metrics.stats import RequestRecord, StepStats
 
 
 class JsonlSink:
-    """Appends one JSON object per line: steps to ``steps.jsonl``, requests to ``requests.jsonl``.
+    """One JSON object per line: steps to ``steps.jsonl``, requests to ``requests.jsonl``,
+    block maps to ``block_maps.jsonl``.
+
+    Steps are written as they come (a live run can be followed with ``tail -f``); the split of
+    unwritten slots into reservation and internal fragmentation is settled only when each
+    request releases its blocks, so :meth:`close` rewrites ``steps.jsonl`` with the final figures.
 
     Args:
         folder: created if missing.
@@ -19,26 +24,52 @@ class JsonlSink:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._steps = open(self.folder / "steps.jsonl", "a", encoding="utf-8")
-        self._reqs = open(self.folder / "requests.jsonl", "a", encoding="utf-8")
+        self._steps_path = self.folder / "steps.jsonl"
+        self._steps = open(self._steps_path, "w", encoding="utf-8")
+        self._reqs = open(self.folder / "requests.jsonl", "w", encoding="utf-8")
+        self._maps = None
+        self._all: list[StepStats] = []
 
     def on_step(self, s: StepStats) -> None:
+        self._all.append(s)
         self._steps.write(json.dumps(s.to_dict()) + "\n")
 
     def on_request(self, r: RequestRecord) -> None:
         self._reqs.write(json.dumps(r.to_dict()) + "\n")
 
+    def on_block_map(self, snapshot: dict) -> None:
+        if self._maps is None:
+            self._maps = open(self.folder / "block_maps.jsonl", "w", encoding="utf-8")
+        self._maps.write(json.dumps(snapshot) + "\n")
+
     def close(self) -> None:
+        if self._steps.closed:
+            return
         self._steps.close()
         self._reqs.close()
+        if self._maps is not None:
+            self._maps.close()
+        with open(self._steps_path, "w", encoding="utf-8") as f:
+            for s in self._all:
+                f.write(json.dumps(s.to_dict()) + "\n")
 
 
 class CallbackSink:
     """Calls ``fn(step_stats)`` after every step (live plots use it)."""
 
-    def __init__(self, fn: Callable[[StepStats], None], on_request: Callable[[RequestRecord], None] | None = None):
+    def __init__(
+        self,
+        fn: Callable[[StepStats], None],
+        on_request: Callable[[RequestRecord], None] | None = None,
+        on_block_map: Callable[[dict], None] | None = None,
+    ):
         self.fn = fn
         self.request_fn = on_request
+        self.block_map_fn = on_block_map
+
+    def on_block_map(self, snapshot: dict) -> None:
+        if self.block_map_fn:
+            self.block_map_fn(snapshot)
 
     def on_step(self, s: StepStats) -> None:
         self.fn(s)
@@ -57,20 +88,35 @@ class Recorder:
     Attributes:
         steps: every ``StepStats``, in order.
         requests: every finished request's ``RequestRecord``, in finishing order.
+        block_maps: per-block pictures of the pool (``block_map_every``), see
+            :meth:`workbench.kv.manager.KVCacheManager.block_map`.
     """
 
     def __init__(self, sinks: list | None = None) -> None:
         self.steps: list[StepStats] = []
         self.requests: list[RequestRecord] = []
+        self.block_maps: list[dict] = []
         self.sinks = list(sinks or [])
 
     def add_sink(self, sink) -> None:
         self.sinks.append(sink)
 
+    def remove_sink(self, sink) -> None:
+        """Detach a sink (no-op when it is not attached)."""
+        if sink in self.sinks:
+            self.sinks.remove(sink)
+
     def record_step(self, s: StepStats) -> None:
         self.steps.append(s)
         for sink in self.sinks:
             sink.on_step(s)
+
+    def record_block_map(self, snapshot: dict) -> None:
+        self.block_maps.append(snapshot)
+        for sink in self.sinks:
+            fn = getattr(sink, "on_block_map", None)
+            if fn is not None:
+                fn(snapshot)
 
     def record_request(self, r: RequestRecord) -> None:
         self.requests.append(r)

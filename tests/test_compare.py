@@ -1,0 +1,81 @@
+"""``workbench compare`` on the bundled model: every variant runs the same prompts; one report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from workbench.bench.compare import compare
+from workbench.cli import main
+
+pytestmark = pytest.mark.slow
+SMALL = dict(num_prompts=4, max_tokens=12, max_model_len=2048, max_num_seqs=4, num_gpu_blocks_override=200)
+
+
+def test_compare_runs_every_variant_on_the_same_prompts(tmp_path):
+    res = compare(
+        allocators=["orca-oracle", "static", "orca-max"],
+        batching_policies=["continuous"],
+        output_dir=tmp_path,
+        progress=False,
+        **SMALL,
+    )
+    # the oracle needs true output lengths: a paged run is added first and provides them
+    assert [r["variant"] for r in res.rows] == ["paged", "orca-oracle", "static", "orca-max"]
+    outs = {k: [o.outputs[0].token_ids for o in r.outputs] for k, r in res.results.items()}
+    assert outs["orca-oracle"] == outs["paged"] == outs["orca-max"]  # greedy: the allocator changes no token
+    for row in res.rows:
+        assert row["requests_finished"] == 4
+        assert (
+            abs(
+                sum(
+                    row[f"{c}_used_frac"]
+                    for c in ("token_states", "reservation", "internal_fragmentation", "external_fragmentation")
+                )
+                - 1
+            )
+            < 1e-9
+        )
+    paged, static = res.rows[0], res.rows[2]
+    assert paged["external_fragmentation_used_frac"] == 0
+    assert static["token_states_used_frac"] < paged["token_states_used_frac"]
+    assert json.loads((res.out_dir / "compare.json").read_text()) == res.rows
+    page = (res.out_dir / "compare.html").read_text()
+    assert "side by side" in page and "orca-oracle" in page
+    assert (res.out_dir / "static" / "steps.jsonl").exists()
+
+
+def test_compare_cli_batching_policies(tmp_path):
+    r = CliRunner().invoke(
+        main,
+        [
+            "compare",
+            "--kv-allocator",
+            "paged",
+            "--batching-policy",
+            "continuous,static",
+            "--num-prompts",
+            "4",
+            "--max-tokens",
+            "8",
+            "--max-num-seqs",
+            "2",
+            "--max-model-len",
+            "512",
+            "--output-dir",
+            str(tmp_path),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert "compare.html" in r.output
+    (folder,) = tmp_path.iterdir()
+    rows = json.loads((folder / "compare.json").read_text())
+    assert [x["variant"] for x in rows] == ["paged", "paged / static"]
+    assert all(x["batched_reqs_mean"] <= 2 for x in rows)
+
+
+def test_compare_rejects_unknown_variants_before_loading(tmp_path):
+    r = CliRunner().invoke(main, ["compare", "--kv-allocator", "paged,buddy", "--output-dir", str(tmp_path)])
+    assert r.exit_code != 0 and "buddy" in r.output and "orca-oracle" in r.output

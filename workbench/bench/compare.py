@@ -1,0 +1,204 @@
+"""``workbench compare``: the same trace through several KV allocators and batching policies.
+
+Each variant is a full engine run (:func:`workbench.bench.run.run_job`) of the same prompts with
+the same sampling; only ``kv_allocator`` / ``batching_policy`` change. The oracle allocators
+(``orca-oracle``, ``orca-pow2``) get each request's true output length from the ``paged`` run
+(which runs first, and is added when it was not asked for), or from the trace when it records
+them. One folder holds a run folder per variant, ``compare.json`` (one flat row per variant) and
+``compare.html`` (the waste breakdown side by side, throughput, TTFT, requests batched, the
+memory timelines and latency CDFs).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from workbench.bench.datasets import default_prompts, load_prompts
+from workbench.bench.run import JobResult, run_job
+from workbench.kv.contiguous import KV_ALLOCATORS
+from workbench.metrics.waste import USED_CATEGORIES, WASTE_CATEGORIES, waste_breakdown
+from workbench.scheduler import BATCHING_POLICIES
+
+
+@dataclass
+class Comparison:
+    """Results of :func:`compare`: ``rows`` (one flat dict per variant, in run order), the runs, the folder."""
+
+    rows: list[dict]
+    results: dict[str, JobResult]
+    out_dir: Path | None
+
+
+def variant_label(allocator: str, policy: str) -> str:
+    return allocator if policy == "continuous" else f"{allocator} / {policy}"
+
+
+def compare_row(label: str, allocator: str, policy: str, res: JobResult) -> dict:
+    """One variant's figures: the waste breakdown (share of the pool and of occupied memory),
+    throughput, TTFT, requests batched, preemptions."""
+    steps = [s.to_dict() for s in res.recorder.steps]
+    wb = waste_breakdown(steps)
+    s = res.summary
+    row = {"variant": label, "kv_allocator": allocator, "batching_policy": policy}
+    for c in WASTE_CATEGORIES:
+        row[f"{c}_pool_frac"] = wb["pool_share"][c]
+    for c in USED_CATEGORIES:
+        row[f"{c}_used_frac"] = wb["used_share"][c]
+    row.update(
+        kv_utilization_mean=wb["kv_utilization_mean"],
+        fragmentation_rate_mean=wb["fragmentation_rate_mean"],
+        batched_reqs_mean=s["batched_reqs_mean"],
+        running_reqs_mean=s["running_reqs_mean"],
+        output_throughput_tok_s=s["output_throughput_tok_s"],
+        total_throughput_tok_s=s["total_throughput_tok_s"],
+        ttft_p50_s=s["ttft_p50_s"],
+        ttft_p99_s=s["ttft_p99_s"],
+        e2e_p50_s=s["e2e_p50_s"],
+        preemptions_total=s["preemptions_total"],
+        num_steps=s["num_steps"],
+        wall_time_s=s["wall_time_s"],
+        requests_finished=s["requests_finished"],
+    )
+    return row
+
+
+def compare(
+    *,
+    allocators: list[str] = ("paged", "static", "orca-max", "orca-pow2", "orca-oracle"),
+    batching_policies: list[str] = ("continuous",),
+    dataset: str | Path | None = None,
+    num_prompts: int | None = 64,
+    max_tokens: int = 128,
+    output_dir: str | Path | None = "runs",
+    progress: bool = True,
+    **engine_args,
+) -> Comparison:
+    """Run every (allocator, batching policy) pair on the same prompts.
+
+    Args:
+        allocators: values of ``kv_allocator``.
+        batching_policies: values of ``batching_policy``.
+        dataset, num_prompts, max_tokens: as :func:`~workbench.bench.run.run_job` (greedy sampling).
+        output_dir: parent of the ``compare-<timestamp>`` folder; ``None`` writes nothing.
+        **engine_args: other engine arguments, the same for every variant.
+
+    Raises:
+        ValueError: an unknown allocator or policy (before any model loads), or bad engine arguments.
+    """
+    bad = [a for a in allocators if a not in KV_ALLOCATORS] + [p for p in batching_policies if p not in BATCHING_POLICIES]
+    if bad:
+        raise ValueError(
+            f"unknown variant(s) {bad}: allocators are {', '.join(KV_ALLOCATORS)}; "
+            f"batching policies are {', '.join(BATCHING_POLICIES)}"
+        )
+    for k in ("kv_allocator", "batching_policy"):
+        engine_args.pop(k, None)
+    records = load_prompts(dataset, num_prompts) if dataset else default_prompts()[:num_prompts]
+    variants = [(a, p) for p in batching_policies for a in allocators]
+    needs_oracle = any(a in ("orca-oracle", "orca-pow2") for a, _ in variants)
+    if needs_oracle and not all(r.output_len for r in records):
+        policy = batching_policies[0]
+        if ("paged", policy) in variants:
+            variants.remove(("paged", policy))
+        variants.insert(0, ("paged", policy))  # its output lengths are the oracle's
+    out_dir = None
+    if output_dir is not None:
+        out_dir = Path(output_dir) / datetime.now().strftime("compare-%Y%m%d-%H%M%S")
+    results: dict[str, JobResult] = {}
+    rows = []
+    lens = [r.output_len for r in records] if all(r.output_len for r in records) else None
+    for a, p in variants:
+        label = variant_label(a, p)
+        res = run_job(
+            dataset=dataset,
+            num_prompts=num_prompts,
+            max_tokens=max_tokens,
+            output_dir=out_dir,
+            run_name=label.replace(" / ", "_"),
+            progress=progress,
+            kv_allocator=a,
+            batching_policy=p,
+            expected_output_lens=lens if a in ("orca-oracle", "orca-pow2") else None,
+            **engine_args,
+        )
+        if a == "paged" and lens is None:
+            lens = [max(1, len(o.outputs[0].token_ids)) for o in res.outputs]
+        results[label] = res
+        rows.append(compare_row(label, a, p, res))
+    if out_dir is not None:
+        (out_dir / "compare.json").write_text(json.dumps(rows, indent=2))
+        write_compare_report(out_dir / "compare.html", rows, results, engine_args | {"max_tokens": max_tokens})
+    return Comparison(rows, results, out_dir)
+
+
+_COLUMNS = [
+    ("variant", "variant", None),
+    ("token_states_used_frac", "token states / used", "pct"),
+    ("reservation_used_frac", "reservation / used", "pct"),
+    ("internal_fragmentation_used_frac", "internal frag. / used", "pct"),
+    ("external_fragmentation_used_frac", "external frag. / used", "pct"),
+    ("kv_utilization_mean", "KV utilization (token states / pool)", "pct"),
+    ("batched_reqs_mean", "requests batched (mean)", "f2"),
+    ("output_throughput_tok_s", "output tok/s", "f1"),
+    ("ttft_p50_s", "TTFT p50 (s)", "f3"),
+    ("ttft_p99_s", "TTFT p99 (s)", "f3"),
+    ("preemptions_total", "preemptions", "int"),
+    ("num_steps", "steps", "int"),
+]
+
+
+def _fmt(v, kind) -> str:
+    if v is None:
+        return "n/a"
+    if kind == "pct":
+        return f"{v:.1%}"
+    if kind == "f1":
+        return f"{v:,.1f}"
+    if kind == "f2":
+        return f"{v:.2f}"
+    if kind == "f3":
+        return f"{v:.3f}"
+    if kind == "int":
+        return f"{int(v):,}"
+    return html.escape(str(v))
+
+
+def comparison_table(rows: list[dict]) -> str:
+    """The side-by-side table as HTML."""
+    head = "".join(f"<th>{html.escape(t)}</th>" for _, t, _ in _COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{_fmt(r.get(k), f)}</td>" for k, _, f in _COLUMNS) + "</tr>" for r in rows)
+    return f'<table class="summary"><caption>side by side</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def write_compare_report(path: Path, rows: list[dict], results: dict[str, JobResult], config: dict) -> Path:
+    """A self-contained HTML page: the table, waste bars, memory timelines, latency CDFs."""
+    from workbench.viz.figures import latency_cdf_figure, memory_timeline_figure, waste_bars_figure
+    from workbench.viz.report import _CSS, _LEGEND_HTML, _kv_table
+
+    steps = {k: [s.to_dict() for s in r.recorder.steps] for k, r in results.items()}
+    reqs = {k: [q.to_dict() for q in r.recorder.requests] for k, r in results.items()}
+    figs = [waste_bars_figure(steps), latency_cdf_figure(reqs, metric=["ttft_s", "e2e_s"])]
+    for k, st in steps.items():
+        f = memory_timeline_figure(st, unit="tokens", x="step")
+        f.update_layout(title=f"KV pool over the run: {k}", height=320)
+        figs.append(f)
+    parts = []
+    for i, fig in enumerate(figs):
+        parts.append(
+            '<div class="figure">'
+            + fig.to_html(full_html=False, include_plotlyjs=(i == 0), default_width="100%")
+            + "</div>"
+        )
+    title = "workbench compare"
+    doc = (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+        f"<style>{_CSS}</style></head><body><h1>{title}</h1>"
+        f'<div class="tables">{_kv_table(config, "configuration (every variant)", "config")}</div>'
+        f"{comparison_table(rows)}{''.join(parts)}{_LEGEND_HTML}</body></html>\n"
+    )
+    path.write_text(doc, encoding="utf-8")
+    return path

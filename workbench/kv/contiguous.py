@@ -1,0 +1,310 @@
+"""Contiguous KV allocators: the baselines PagedAttention replaced (vLLM paper, Kwon et al., SOSP 2023, §2.3, §6.1).
+
+Before PagedAttention, serving systems stored a request's KV cache in one contiguous
+chunk of memory sized, at admission, for the longest the request could become. This
+module reproduces that inside the same engine: the pool is one address range of
+``num_blocks`` blocks; a request reserves one run of consecutive blocks when it is
+admitted; placement is **first-fit** (the lowest-addressed hole that is large enough),
+so holes left by finished requests fragment the range and *external fragmentation* is
+real. The model runs unchanged: a contiguous region ``[start, start + n)`` is simply the
+block table ``[start, start+1, ..., start+n-1]``.
+
+How much each request reserves (tokens, rounded up to whole blocks, capped by the pool):
+
+==============  =====================================================================
+``static``      ``max_model_len`` for every request (a padded tensor of the longest
+                sequence the model allows; FasterTransformer-style static batching)
+``orca-max``    prompt + ``max_tokens`` (capped by ``max_model_len``): the most the
+                request may produce (Orca, Yu et al., OSDI 2022, as the vLLM paper's
+                "Orca (Max)" with a per-request cap)
+``orca-pow2``   prompt + the true output length rounded up to a power of two, capped by
+                ``max_tokens`` ("Orca
+                (Pow2)": over-reserves by less than 2x; needs the true length)
+``orca-oracle`` prompt + the true output length ("Orca (Oracle)"; needs the true length)
+==============  =====================================================================
+
+The true output length comes from a previous run or the trace
+(``expected_output_len`` of :meth:`workbench.engine.LLMEngine.add_request`).
+
+A request whose reservation does not fit any hole waits (the scheduler stops admitting,
+first come first served), as it would in such a system. Once admitted it never needs
+another block, so it is never preempted. Prefix caching, swapping and parallel sampling
+need block sharing or moving and are refused with these allocators.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+
+from workbench.kv.manager import KVUsage, cdiv
+
+#: allocator names accepted by ``EngineConfig.kv_allocator``
+CONTIGUOUS_ALLOCATORS = ("static", "orca-max", "orca-pow2", "orca-oracle")
+KV_ALLOCATORS = ("paged", *CONTIGUOUS_ALLOCATORS)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def reservation_tokens(
+    allocator: str,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    expected_output_len: int | None = None,
+) -> int:
+    """Tokens a contiguous allocator reserves for a request at admission.
+
+    Args:
+        allocator: one of :data:`CONTIGUOUS_ALLOCATORS`.
+        num_prompt_tokens: prompt length (tokens).
+        max_tokens: the request's output cap (tokens).
+        max_model_len: the engine's longest sequence (tokens).
+        expected_output_len: the true output length (tokens), for ``orca-pow2`` / ``orca-oracle``.
+
+    Returns:
+        tokens, at most ``max_model_len`` for ``static``/``orca-max``/``orca-oracle``; ``orca-pow2``
+        may round beyond it (the caller caps by the pool).
+
+    Raises:
+        ValueError: an unknown allocator, or ``orca-pow2``/``orca-oracle`` without ``expected_output_len``.
+    """
+    longest = min(num_prompt_tokens + max_tokens, max_model_len)
+    if allocator == "static":
+        return max_model_len
+    if allocator == "orca-max":
+        return longest
+    if allocator in ("orca-pow2", "orca-oracle"):
+        if expected_output_len is None:
+            raise ValueError(
+                f"kv_allocator={allocator!r} reserves by the request's true output length, which was not given; "
+                "pass expected_output_len to add_request (workbench compare and run_job take it from a paged "
+                "run first), or use kv_allocator='orca-max'"
+            )
+        out = max(1, min(expected_output_len, max_tokens))
+        if allocator == "orca-oracle":
+            return min(num_prompt_tokens + out, max_model_len)
+        return num_prompt_tokens + min(next_pow2(out), max(max_tokens, out))
+    raise ValueError(f"kv_allocator={allocator!r} is not contiguous; use one of {CONTIGUOUS_ALLOCATORS}")
+
+
+class ContiguousKVCacheManager:
+    """First-fit contiguous reservation over one block address range.
+
+    Same interface as :class:`~workbench.kv.manager.KVCacheManager` (the scheduler and the model
+    runner cannot tell them apart), plus :meth:`declare` for each request's reservation size.
+
+    Args:
+        num_blocks: blocks in the pool (the address range is ``0 .. num_blocks-1``).
+        block_size: token slots per block.
+        allocator: a name from :data:`CONTIGUOUS_ALLOCATORS` (for reports).
+    """
+
+    enable_prefix_caching = False
+    swap_pool = None
+
+    def __init__(self, num_blocks: int, block_size: int, allocator: str = "static") -> None:
+        if allocator not in CONTIGUOUS_ALLOCATORS:
+            raise ValueError(f"allocator={allocator!r} must be one of {CONTIGUOUS_ALLOCATORS}")
+        self.allocator = allocator
+        self.block_size = block_size
+        self._num_blocks = num_blocks
+        self.block_tables: dict[str, list[int]] = {}
+        #: ``(start, num_blocks, request_id)`` of every reserved region, sorted by start
+        self.regions: list[tuple[int, int, str]] = []
+        self._reserve: dict[str, int] = {}  # request -> reserved tokens (declared)
+        self._used_blocks = 0
+        self.pending_copies: list[tuple[int, int]] = []
+        self.swapped_tables: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------ reservation
+    def declare(self, request_id: str, reserve_tokens: int) -> None:
+        """Set how many tokens the request reserves when it is admitted (capped by the pool)."""
+        self._reserve[request_id] = max(1, min(reserve_tokens, self.pool_tokens))
+
+    def reservation_blocks(self, request_id: str) -> int:
+        """Blocks the request reserves at admission (0 if it was never declared)."""
+        return cdiv(self._reserve.get(request_id, 0), self.block_size)
+
+    def holes(self) -> list[tuple[int, int]]:
+        """Free runs ``(start, num_blocks)`` in address order."""
+        out = []
+        cur = 0
+        for start, n, _ in self.regions:
+            if start > cur:
+                out.append((cur, start - cur))
+            cur = start + n
+        if cur < self._num_blocks:
+            out.append((cur, self._num_blocks - cur))
+        return out
+
+    def first_fit(self, num_blocks: int) -> int | None:
+        """Start of the lowest-addressed hole of at least ``num_blocks`` blocks, or ``None``."""
+        for start, n in self.holes():
+            if n >= num_blocks:
+                return start
+        return None
+
+    # ------------------------------------------------------- manager interface
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_blocks - self._used_blocks
+
+    @property
+    def pool_tokens(self) -> int:
+        return self._num_blocks * self.block_size
+
+    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        return []
+
+    def num_hashed_blocks(self, request_id: str) -> int:
+        return 0
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        return None
+
+    def can_swap_out(self, request_id: str) -> bool:
+        return False
+
+    def drop_swapped(self, request_id: str) -> None:
+        return None
+
+    def allocate_slots(
+        self, request_id: str, num_total_tokens: int, cached_blocks=(), write_start: int | None = None
+    ) -> bool:
+        """Reserve the request's whole region at its first call (first-fit); later calls only check it.
+
+        Returns:
+            ``False`` (and changes nothing) when no hole holds the reservation.
+
+        Raises:
+            RuntimeError: ``num_total_tokens`` exceeds the reservation (a bug: requests are
+                capped at their reservation by the engine).
+        """
+        table = self.block_tables.get(request_id)
+        if table is None:
+            need = max(self.reservation_blocks(request_id), cdiv(num_total_tokens, self.block_size))
+            start = self.first_fit(need)
+            if start is None:
+                return False
+            insort(self.regions, (start, need, request_id))
+            self._used_blocks += need
+            table = self.block_tables[request_id] = list(range(start, start + need))
+        if num_total_tokens > len(table) * self.block_size:
+            raise RuntimeError(
+                f"request {request_id} needs {num_total_tokens} slots but reserved {len(table) * self.block_size} "
+                f"({self.allocator}); its output cap must not exceed its reservation"
+            )
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Release the request's region (no-op for a request holding none)."""
+        table = self.block_tables.pop(request_id, None)
+        if table:
+            self.regions = [r for r in self.regions if r[2] != request_id]
+            self._used_blocks -= len(table)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's declared reservation (it has ended)."""
+        self._reserve.pop(request_id, None)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        raise NotImplementedError("contiguous allocators do not share blocks: parallel sampling (n > 1) needs paged")
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        return self.block_tables.get(request_id, [])
+
+    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
+        """Slots of positions ``start .. end-1``: the region's first slot + position."""
+        base = self.block_tables[request_id][0] * self.block_size
+        return list(range(base + start, base + end))
+
+    # ---------------------------------------------------------------- figures
+    def external_free_slots(self, waiting_need_blocks: int) -> int:
+        """Free slots in holes smaller than ``waiting_need_blocks`` (0 when nothing waits)."""
+        if waiting_need_blocks <= 0:
+            return 0
+        return sum(n for _, n in self.holes() if n < waiting_need_blocks) * self.block_size
+
+    def usage(
+        self,
+        num_computed: dict[str, int],
+        final_bound: dict[str, int] | None = None,
+        waiting_need_blocks: int = 0,
+    ) -> KVUsage:
+        """The pool split of ARCHITECTURE §3 (token slots); see :meth:`KVCacheManager.usage`.
+
+        Args:
+            num_computed: tokens with K/V in the cache, per request holding a region.
+            final_bound: most KV slots each request can ever write (prompt + output cap - 1);
+                allocated slots below it and not yet written are *reservation*, those beyond it
+                *internal fragmentation*. ``None``: every unwritten slot is reservation.
+            waiting_need_blocks: the reservation (blocks) of the first waiting request; free
+                holes smaller than it are *external fragmentation*.
+        """
+        allocated = self._used_blocks * self.block_size
+        token_states = sum(num_computed.get(r, 0) for r in self.block_tables)
+        reservation = 0
+        for r, table in self.block_tables.items():
+            size = len(table) * self.block_size
+            bound = size if final_bound is None else min(size, final_bound.get(r, size))
+            reservation += max(0, bound - num_computed.get(r, 0))
+        free_all = self.pool_tokens - allocated
+        external = self.external_free_slots(waiting_need_blocks)
+        return KVUsage(
+            pool=self.pool_tokens,
+            token_states=token_states,
+            reservation=reservation,
+            internal_fragmentation=allocated - token_states - reservation,
+            external_fragmentation=external,
+            free=free_all - external,
+        )
+
+    def block_map(self, num_computed: dict[str, int], waiting_need_blocks: int = 0, step: int = 0) -> dict:
+        """A per-block picture of the pool (see :func:`workbench.kv.manager.block_map_snapshot`)."""
+        owner = [-1] * self._num_blocks
+        filled = [0] * self._num_blocks
+        state = ["free"] * self._num_blocks
+        ids: list[str] = []
+        for start, n, rid in self.regions:
+            k = len(ids)
+            ids.append(rid)
+            c = num_computed.get(rid, 0)
+            for i in range(n):
+                owner[start + i] = k
+                filled[start + i] = max(0, min(self.block_size, c - i * self.block_size))
+                state[start + i] = "used"
+        if waiting_need_blocks > 0:
+            for s, n in self.holes():
+                if n < waiting_need_blocks:
+                    for b in range(s, s + n):
+                        state[b] = "external"
+        return {
+            "step": step,
+            "allocator": self.allocator,
+            "block_size": self.block_size,
+            "owner": owner,
+            "owner_ids": ids,
+            "filled": filled,
+            "state": state,
+        }
+
+    def check_invariants(self) -> None:
+        """Assert that regions are disjoint, inside the range, and match the block tables (for tests)."""
+        end = 0
+        for start, n, rid in self.regions:
+            if start < end or n < 1:
+                raise AssertionError(f"region of {rid} at {start}+{n} overlaps the previous one (ends at {end})")
+            if self.block_tables.get(rid) != list(range(start, start + n)):
+                raise AssertionError(f"block table of {rid} differs from its region")
+            end = start + n
+        if end > self._num_blocks:
+            raise AssertionError("a region runs past the pool")
+        if sum(n for _, n, _ in self.regions) != self._used_blocks or len(self.regions) != len(self.block_tables):
+            raise AssertionError("used-block count differs from the regions")
