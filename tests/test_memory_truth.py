@@ -380,3 +380,23 @@ def test_jsonl_steps_hold_the_settled_figures(tiny_model, tmp_path):
     assert rows == mem and any(r["internal_fragmentation"] for r in rows)
     maps = [json.loads(x) for x in (tmp_path / "block_maps.jsonl").read_text().splitlines()]
     assert [m["step"] for m in maps] == [s["step"] for s in rows if s["step"] % 2 == 0]
+
+
+def test_a_pool_larger_than_the_machine_is_refused_before_allocating(tiny_model):
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.raises(ValueError, match="GiB of RAM; lower device_memory, num_gpu_blocks_override"):
+        LLM(model=str(tiny_model), block_size=16, max_model_len=64, kv_cache_memory_bytes=2 * ram)
+
+
+def test_conflicting_pool_sizes_and_oracle_with_prefix_caching_fail_before_any_run(tiny_model, monkeypatch):
+    from workbench.bench import run as run_mod
+
+    with pytest.raises(ValueError, match="give only one of them"):
+        LLM(model=str(tiny_model), kv_cache_memory_bytes=1 << 20, num_gpu_blocks_override=10)
+    loads = []
+    monkeypatch.setattr(run_mod, "LLM", lambda *a, **k: loads.append(k))
+    with pytest.raises(ValueError, match="needs kv_allocator='paged'"):
+        run_mod.run_job(num_prompts=2, output_dir=None, kv_allocator="orca-oracle", enable_prefix_caching=True)
+    assert not loads

@@ -326,7 +326,7 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
     with the waste breakdown side by side, throughput, TTFT and requests batched.
 
     \b
-    workbench compare --num-prompts 32 --kv-cache-memory-bytes 48MiB
+    workbench compare --num-prompts 32 --max-model-len 1024 --kv-cache-memory-bytes 48MiB
     workbench compare --kv-allocator paged --batching-policy continuous,static,grouped
     """
     from rich.console import Console
@@ -334,7 +334,7 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
 
     from workbench.bench.compare import compare as run_compare
 
-    console = Console()
+    console = Console(width=max(130, Console().width))  # the table's 9 columns, also when piped
     try:
         res = run_compare(
             allocators=[a.strip() for a in allocators.split(",") if a.strip()],
@@ -348,8 +348,8 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
     t = Table(title="workbench compare: where the KV pool went (share of occupied memory)")
-    for c in ("variant", "token states", "reservation", "internal", "external", "batched", "tok/s", "TTFT p50"):
-        t.add_column(c, justify="left" if c == "variant" else "right")
+    for c in ("variant", "token states", "reservation", "internal", "external", "batched", "tok/s", "TTFT p50", "refused"):
+        t.add_column(c, justify="left" if c == "variant" else "right", no_wrap=True)
     for r in res.rows:
         t.add_row(
             r["variant"],
@@ -360,8 +360,13 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
             f"{r['batched_reqs_mean']:.2f}",
             f"{r['output_throughput_tok_s']:,.1f}",
             "n/a" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.3f} s",
+            str(r["requests_errored"]),
         )
     console.print(t)
+    for label, job in res.results.items():
+        refused = [(rec, o) for rec, o in zip(job.records, job.outputs) if o.error]
+        for rec, o in refused:
+            console.print(f"[red]{label}: prompt {rec.id} refused:[/red] {o.error}")
     if res.out_dir is not None:
         console.print(f"report: {res.out_dir / 'compare.html'}")
         console.print(f"rows:   {res.out_dir / 'compare.json'}")

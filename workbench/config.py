@@ -198,6 +198,11 @@ class EngineConfig:
         kvb = self.kv_cache_memory_bytes
         if kvb is not None and (not isinstance(kvb, int) or isinstance(kvb, bool) or kvb < 1):
             raise ValueError(f"kv_cache_memory_bytes={kvb!r} must be a positive integer (bytes of the KV pool)")
+        if kvb is not None and ngb is not None:
+            raise ValueError(
+                f"kv_cache_memory_bytes={kvb} and num_gpu_blocks_override={ngb} both set the KV pool's size; "
+                "give only one of them"
+            )
         from workbench.kv.contiguous import KV_ALLOCATORS
         from workbench.scheduler import BATCHING_POLICIES
 

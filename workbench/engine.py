@@ -9,6 +9,7 @@ print(out[0].outputs[0].text)
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -158,6 +159,7 @@ class LLMEngine:
                     f"swap_space={config.swap_space} GiB holds no KV block of {self.memory.block_bytes:,} B; "
                     "raise swap_space or use preemption_mode='recompute'"
                 )
+        self._check_fits(num_cpu_blocks)
         if config.kv_allocator == "paged":
             self.kv = KVCacheManager(
                 self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
@@ -194,6 +196,41 @@ class LLMEngine:
         self._holding: dict[str, tuple[Request, int, list]] = {}
         self.start_time = time.perf_counter()
         self.eos_token_id = self._eos_id()
+
+    def _check_fits(self, num_cpu_blocks: int) -> None:
+        """Refuse a KV pool the machine cannot hold, before allocating it.
+
+        CPU: the pool, the swap pool and the weights against the machine's physical memory (a
+        ``device_memory`` or ``num_gpu_blocks_override`` larger than the RAM would otherwise end in
+        an allocation failure or the OOM killer). CUDA: the pool against the device's free memory.
+
+        Raises:
+            ValueError: naming the sizes and the fix.
+        """
+        m = self.memory
+        gib = 1 << 30
+        swap = num_cpu_blocks * m.block_bytes
+        if self.device.type == "cpu":
+            try:
+                ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):
+                return
+            need = m.kv_pool_bytes + swap + m.weights_bytes
+            if need > ram:
+                raise ValueError(
+                    f"the KV pool ({m.kv_pool_bytes / gib:,.2f} GiB = {m.num_blocks:,} blocks) + swap space "
+                    f"({swap / gib:,.2f} GiB) + weights ({m.weights_bytes / gib:,.2f} GiB) need {need / gib:,.2f} GiB "
+                    f"but this machine has {ram / gib:,.2f} GiB of RAM; lower device_memory, "
+                    "num_gpu_blocks_override or kv_cache_memory_bytes (or swap_space)"
+                )
+        elif self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if m.kv_pool_bytes > free:
+                raise ValueError(
+                    f"the KV pool ({m.kv_pool_bytes / gib:,.2f} GiB = {m.num_blocks:,} blocks) exceeds the device's "
+                    f"free memory ({free / gib:,.2f} GiB); lower gpu_memory_utilization, num_gpu_blocks_override "
+                    "or kv_cache_memory_bytes"
+                )
 
     # ------------------------------------------------------------------ requests
     def _eos_id(self) -> int | None:

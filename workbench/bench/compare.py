@@ -62,6 +62,7 @@ def compare_row(label: str, allocator: str, policy: str, res: JobResult) -> dict
         num_steps=s["num_steps"],
         wall_time_s=s["wall_time_s"],
         requests_finished=s["requests_finished"],
+        requests_errored=s["requests_errored"],
     )
     return row
 
@@ -147,6 +148,7 @@ _COLUMNS = [
     ("ttft_p50_s", "TTFT p50 (s)", "f3"),
     ("ttft_p99_s", "TTFT p99 (s)", "f3"),
     ("preemptions_total", "preemptions", "int"),
+    ("requests_errored", "refused", "int"),
     ("num_steps", "steps", "int"),
 ]
 

@@ -8,16 +8,20 @@ It writes ``<output_dir>/<timestamp>/`` with ``steps.jsonl``, ``requests.jsonl``
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from workbench.bench.datasets import PromptRecord, default_prompts, load_prompts
+from workbench.config import EngineConfig
 from workbench.engine import LLM, RequestOutput
 from workbench.metrics import JsonlSink, Recorder
 from workbench.metrics.waste import flatten_breakdown, waste_breakdown
 from workbench.sampling import SamplingParams
+
+log = logging.getLogger("workbench")
 
 
 @dataclass
@@ -96,11 +100,18 @@ def run_job(
         )
         for r in records
     ]
+    if llm is None:
+        EngineConfig(**engine_args).validate()  # bad arguments fail here, before any model loads
     allocator = llm.llm_engine.config.kv_allocator if llm is not None else engine_args.get("kv_allocator", "paged")
     if allocator in ("orca-oracle", "orca-pow2") and expected_output_lens is None:
         if all(r.output_len for r in records):
             expected_output_lens = [r.output_len for r in records]
         else:
+            log.info(
+                "kv_allocator=%s reserves by each request's true output length: measuring them first with a "
+                "kv_allocator='paged' run of the same prompts",
+                allocator,
+            )
             base = {k: v for k, v in engine_args.items() if k not in ("kv_allocator", "batching_policy")}
             pre = run_job(
                 dataset=dataset,
