@@ -98,6 +98,18 @@ class EngineConfig:
             (the PyTorch reference), ``"triton"`` (compiled Triton kernels, CUDA) or
             ``"triton-interpret"`` (the same kernels in Triton's interpreter: any device, slow;
             for teaching and tests). See :mod:`workbench.attention.backend`.
+        tensor_parallel_size: ranks the model is split across (worker processes; gloo on CPU,
+            NCCL on CUDA; see :mod:`workbench.executor.tensor_parallel`). The model's head counts
+            and MLP width must divide by it (checked when the model's config is read).
+        distributed_executor_backend: ``None`` (``"uni"`` for one rank, ``"mp"`` for more), ``"uni"``
+            (this process only) or ``"mp"`` (worker processes; with ``tensor_parallel_size=1`` a
+            one-rank process group, e.g. to measure a single NCCL communicator), as vLLM's option.
+        distributed_timeout_s: seconds every collective of a tensor-parallel group may wait for the
+            other ranks; a worker that hangs longer makes the engine raise.
+        nccl_buffsize, nccl_min_nchannels, nccl_max_nchannels, nccl_proto: the ``NCCL_BUFFSIZE``
+            (bytes), ``NCCL_MIN_NCHANNELS``, ``NCCL_MAX_NCHANNELS`` and ``NCCL_PROTO`` environment
+            variables given to every rank (``None`` = NCCL's default), and the inputs of the modelled
+            communication buffers (:func:`workbench.comm.nccl_buffer_bytes`).
         cache_dir: where converted weights are cached (default ``~/.cache/workbench``,
             or ``$WORKBENCH_CACHE``).
 
@@ -128,6 +140,13 @@ class EngineConfig:
     batching_policy: str = "continuous"
     block_map_every: int = 0
     attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    distributed_timeout_s: float = 120.0
+    nccl_buffsize: int | None = None
+    nccl_min_nchannels: int | None = None
+    nccl_max_nchannels: int | None = None
+    nccl_proto: str | None = None
     cache_dir: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -228,6 +247,7 @@ class EngineConfig:
             )
         if not isinstance(self.block_map_every, int) or self.block_map_every < 0:
             raise ValueError(f"block_map_every={self.block_map_every!r} must be an integer >= 0 (steps; 0 = never)")
+        self._validate_parallel()
         resolve_dtype(self.dtype)
         if self.kv_cache_dtype != "auto":
             try:
@@ -254,7 +274,42 @@ class EngineConfig:
             raise FileNotFoundError(f"tokenizer={self.tokenizer!r} does not exist; give a tokenizer folder")
         return self
 
+    def _validate_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r} must be an integer >= 1 (ranks); use e.g. 1, 2 or 4")
+        deb = self.distributed_executor_backend
+        if deb not in (None, "uni", "mp"):
+            raise ValueError(f"distributed_executor_backend={deb!r} must be None, 'uni' or 'mp'")
+        if deb == "uni" and tp > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one process but tensor_parallel_size={tp}; "
+                "use distributed_executor_backend='mp' (or None)"
+            )
+        t = self.distributed_timeout_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise ValueError(f"distributed_timeout_s={t!r} must be a positive number of seconds, e.g. 120")
+        b = self.nccl_buffsize
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"nccl_buffsize={b!r} must be a positive number of bytes (NCCL's default: 4194304)")
+        from workbench.comm import NCCL_MAX_CHANNELS, parse_nccl_proto
+
+        for name in ("nccl_min_nchannels", "nccl_max_nchannels"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= NCCL_MAX_CHANNELS):
+                raise ValueError(f"{name}={v!r} must be an integer in [1, {NCCL_MAX_CHANNELS}] (channels)")
+        lo, hi = self.nccl_min_nchannels, self.nccl_max_nchannels
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"nccl_min_nchannels={lo} > nccl_max_nchannels={hi}; make the minimum <= the maximum")
+        if self.nccl_proto is not None:
+            parse_nccl_proto(self.nccl_proto)
+
     # ------------------------------------------------------------------ derived
+    @property
+    def uses_workers(self) -> bool:
+        """Whether the engine runs a tensor-parallel group (worker processes / a process group)."""
+        return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype)

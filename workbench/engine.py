@@ -106,14 +106,23 @@ class LLMEngine:
         else:
             self.max_num_batched_tokens = max(self.max_model_len, config.max_num_seqs)
 
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, self.max_model_len)
-        model = model.to_empty(device="cpu")
-        model.rotary = type(model.rotary)(cfg, self.max_model_len)  # buffers are not in the checkpoint
-        model.load_hf_state_dict(loaded.state_dict)
-        del loaded
-        self.model = model.to(device=self.device, dtype=config.torch_dtype).eval()
-        self.model.rotary.float()  # keep RoPE tables in float32, as transformers does
+        #: tensor parallelism: worker processes, each with a shard (workbench.executor.tensor_parallel)
+        self._tp = None
+        if config.uses_workers:
+            from workbench.executor.tensor_parallel import TensorParallelExecutor
+
+            self._tp = TensorParallelExecutor(config, cfg, loaded.state_dict, self.max_model_len)
+            self.model = self._tp.model  # rank 0's shard
+            del loaded
+        else:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(cfg, self.max_model_len)
+            model = model.to_empty(device="cpu")
+            model.rotary = type(model.rotary)(cfg, self.max_model_len)  # buffers are not in the checkpoint
+            model.load_hf_state_dict(loaded.state_dict)
+            del loaded
+            self.model = model.to(device=self.device, dtype=config.torch_dtype).eval()
+            self.model.rotary.float()  # keep RoPE tables in float32, as transformers does
         self.load_time_s = time.perf_counter() - t0
 
         if config.device_memory is None and self.device.type == "cpu":
@@ -123,14 +132,19 @@ class LLMEngine:
         activation = 0
         if config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
             # vLLM's profile run: the peak of one forward at the step's token budget
-            activation = profile_activation_peak(
-                self.model,
-                self.max_num_batched_tokens,
-                self.max_model_len,
-                config.max_num_seqs,
-                config.block_size,
-                key=(str(self.model_folder), str(config.torch_dtype), str(self.device)),
-            )
+            if self._tp is not None:  # every rank profiles its shard (collectives included); the largest peak
+                activation = self._tp.profile_activation_peak(
+                    self.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
+                )
+            else:
+                activation = profile_activation_peak(
+                    self.model,
+                    self.max_num_batched_tokens,
+                    self.max_model_len,
+                    config.max_num_seqs,
+                    config.block_size,
+                    key=(str(self.model_folder), str(config.torch_dtype), str(self.device)),
+                )
         self.memory: MemoryBudget = plan_memory(
             hf_config=cfg,
             device=self.device,
@@ -143,6 +157,8 @@ class LLMEngine:
             activation_bytes=activation,
             num_gpu_blocks_override=config.num_gpu_blocks_override,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            tensor_parallel_size=config.tensor_parallel_size,
+            comm_buffer_bytes=self._tp.comm_buffer_bytes if self._tp is not None else 0,
         )
         log.info(self.memory.summary_line())
         if config.block_map_every and self.memory.num_blocks > self.MAX_BLOCK_MAP_BLOCKS:
@@ -176,15 +192,25 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
             batching_policy=config.batching_policy,
         )
-        self.executor = LocalExecutor(
-            self.model,
-            self.memory.num_blocks,
-            config.block_size,
-            config.kv_torch_dtype,
-            self.device,
-            num_cpu_blocks=num_cpu_blocks,
-            attention_backend=config.attention_backend,
-        )
+        if self._tp is not None:
+            self._tp.init_cache(
+                self.memory.num_blocks,
+                config.block_size,
+                config.kv_torch_dtype,
+                num_cpu_blocks,
+                config.attention_backend,
+            )
+            self.executor = self._tp
+        else:
+            self.executor = LocalExecutor(
+                self.model,
+                self.memory.num_blocks,
+                config.block_size,
+                config.kv_torch_dtype,
+                self.device,
+                num_cpu_blocks=num_cpu_blocks,
+                attention_backend=config.attention_backend,
+            )
         self.requests: dict[str, Request] = {}  # every unfinished sequence, by its own id
         self.groups: dict[str, list[Request]] = {}  # the user's request id -> its n sequences
         self._generators: dict[str, torch.Generator | None] = {}
@@ -374,12 +400,30 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self._refused.append(req)  # reported at the next step
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and free the process group (no-op on one device;
+        idempotent; also done at garbage collection and interpreter exit). Use the engine (or
+        :class:`LLM`) as a context manager to call it on leaving the block."""
+        if self._tp is not None:
+            self._tp.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._refused)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, run the model, sample, update. Returns the requests finished in it."""
+        """Run one iteration: schedule, run the model, sample, update. Returns the requests finished in it.
+
+        Raises:
+            TensorParallelError: (``tensor_parallel_size > 1``) a worker died, or hung past
+                ``distributed_timeout_s``; every worker has been stopped and the engine is unusable.
+        """
         finished: list[Request] = self._refused
         self._refused = []
         t_start = time.perf_counter()
@@ -390,6 +434,7 @@ class LLMEngine:
             # fail loudly rather than spin
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting requests")
         model_s = sample_s = 0.0
+        comm0 = self._tp.stats.copy() if self._tp is not None else None
         if out.swap_out or out.block_copies or out.swap_in:
             self.executor.copy_blocks(out.swap_out, out.block_copies, out.swap_in)
         if not out.is_empty:
@@ -403,7 +448,8 @@ class LLMEngine:
             finished += self.scheduler.update(out, {r.request_id: t for r, t in zip(reqs, toks)}, t_end)
         t_end = time.perf_counter()
         if not out.is_empty or finished or out.preempted:
-            self._record_step(out, finished, t_start, t_end, t_sched - t_start, model_s, sample_s)
+            comm = self._tp.stats.since(comm0) if comm0 is not None else None
+            self._record_step(out, finished, t_start, t_end, t_sched - t_start, model_s, sample_s, comm)
         outputs = []
         for r in finished:
             self.requests.pop(r.request_id, None)
@@ -414,7 +460,7 @@ class LLMEngine:
                 outputs.append(self._output(group))
         return outputs
 
-    def _record_step(self, out, finished, t_start, t_end, sched_s, model_s, sample_s) -> None:
+    def _record_step(self, out, finished, t_start, t_end, sched_s, model_s, sample_s, comm=None) -> None:
         running = self.scheduler.running
         holders = {rid: self.requests[rid] for rid in self.kv.block_tables if rid in self.requests}
         computed = {rid: r.num_computed_tokens for rid, r in holders.items()}
@@ -460,6 +506,7 @@ class LLMEngine:
             num_cached_free_blocks=self.kv.pool.num_cached_free_blocks if self.kv.enable_prefix_caching else 0,
             prefix_cache_queries=out.prefix_cache_queries,
             prefix_cache_hits=out.prefix_cache_hits,
+            **(comm.to_dict() if comm is not None else {}),
         )
         self._step += 1
         bs = self.kv.block_size
@@ -538,6 +585,16 @@ class LLM:
     @property
     def tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (see :meth:`LLMEngine.shutdown`)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -18,7 +18,9 @@ is measured — on CUDA with ``torch.cuda.max_memory_allocated``; on CPU, where 
 no allocator statistics, by :class:`LiveTensorBytes`, which follows every tensor the forward
 creates and frees (a ``TorchDispatchMode``). On CUDA, memory used outside PyTorch (the CUDA
 context, NCCL; NVML's used − PyTorch's reserved) is subtracted too. Communication buffers
-are 0 on one device.
+are 0 on one device; under tensor parallelism they are measured on CUDA and modelled elsewhere
+(:mod:`workbench.executor.tensor_parallel`, :func:`workbench.comm.nccl_buffer_bytes`), and every
+figure is one rank's (its shard of the weights, its KV heads).
 
 ``kv_cache_memory_bytes`` and ``num_gpu_blocks_override`` bypass the profile, as in vLLM.
 """
@@ -164,7 +166,8 @@ def _profile(model, num_tokens, max_model_len, max_num_seqs, block_size) -> int:
         num_tokens, max_model_len, max_num_seqs, block_size, cfg.vocab_size, device
     )
     # one small cache shared by every layer: its size is not an activation
-    cache = torch.zeros((2, nb, block_size, cfg.num_key_value_heads, head_dim), dtype=dtype, device=device)
+    kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's heads under tensor parallelism
+    cache = torch.zeros((2, nb, block_size, kv_heads, head_dim), dtype=dtype, device=device)
     caches = [cache] * cfg.num_hidden_layers
     with torch.inference_mode():
         if device.type == "cuda":
@@ -281,6 +284,8 @@ class MemoryBudget:
         act = (
             f"activations {self.activation_bytes / mib:,.1f} MiB (profiled)"
             if self.source in ("cuda", "cpu device_memory")
+            else f"activations {self.activation_bytes / mib:,.1f} MiB (estimate)"
+            if self.source == "simulated"  # workbench.sim: no model to profile
             else "activations not profiled"
         )
         other = f" | outside torch {self.non_torch_bytes / mib:,.1f} MiB" if self.non_torch_bytes else ""

@@ -1,4 +1,6 @@
-"""Executors run the model for a schedule. For now: :class:`LocalExecutor` (one process)."""
+"""Executors run the model for a schedule: :class:`LocalExecutor` (one process) and
+:class:`workbench.executor.tensor_parallel.TensorParallelExecutor` (worker processes over
+``torch.distributed``; imported on use, not here)."""
 
 from workbench.executor.local import LocalExecutor, prepare_inputs
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class ModelInput:
         meta: the paged-attention layout (slot mapping, block tables, context lengths).
         logits_indices: ``[num_sampling]`` int64, rows of the tokens that sample.
         sampling: the scheduled requests that sample, in the order of ``logits_indices``.
+        order: every scheduled request in the order its tokens appear in ``input_ids`` (each
+            contributes ``num_new_tokens`` consecutive tokens): decodes first, then the rest.
     """
 
     input_ids: torch.Tensor
@@ -29,6 +31,7 @@ class ModelInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling: list[ScheduledRequest]
+    order: list[ScheduledRequest] = field(default_factory=list)
 
 
 def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: torch.device) -> ModelInput:
@@ -79,7 +82,7 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: torch.devic
             t(kv.get_block_table(s.request.request_id)[: cdiv(s.start + s.num_new_tokens, bs)]) for s in prefills
         ],
     )
-    return ModelInput(t(ids), t(pos), meta, t(logits_idx), sampling)
+    return ModelInput(t(ids), t(pos), meta, t(logits_idx), sampling, decodes + prefills)
 
 
 class LocalExecutor:
@@ -109,8 +112,8 @@ class LocalExecutor:
         self.model = model
         self.attn_backend = get_backend(attention_backend, device)
         cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, head_dim)
+        attn = model.layers[0].self_attn  # KV heads of this rank's shard under tensor parallelism
+        shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         # zeros, not empty: attention reads whole blocks and masks the unwritten slots, and a NaN
         # bit pattern left in uninitialised memory would survive the mask (0 x NaN = NaN)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_hidden_layers)]

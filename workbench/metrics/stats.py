@@ -58,6 +58,13 @@ class StepStats:
     num_cached_free_blocks: int = 0  # free blocks still holding a prefix-cached block
     prefix_cache_queries: int = 0  # prompt tokens looked up this step (first admissions only)
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
+    # tensor parallelism (rank 0's collectives this step; workbench.comm.CommStats): payload bytes
+    # per rank, seconds in collectives (waiting for the slowest rank included); 0 on one device
+    allreduce_bytes: int = 0
+    allgather_bytes: int = 0
+    broadcast_bytes: int = 0  # the step's inputs sent to the other ranks
+    num_collectives: int = 0
+    comm_time_s: float = 0.0  # part of model_time_s
 
     def to_dict(self) -> dict:
         return asdict(self)

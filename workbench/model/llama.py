@@ -10,6 +10,12 @@ The model runs a flat batch: all tokens of the step, ``[num_tokens]``, with thei
 positions; K/V are written to and read from the paged cache through
 :class:`~workbench.attention.AttentionMetadata`. Q/K/V and gate/up projections are
 fused (one matmul each), as in vLLM and Megatron-LM.
+
+Tensor parallelism: built with a :class:`~workbench.model.parallel.TensorParallelGroup`,
+each layer holds one rank's shard (column-parallel QKV and gate/up, row-parallel o/down
+with one all-reduce each, vocab-parallel embedding and LM head with a gather of logits;
+see :mod:`workbench.model.parallel`). Without one (``tp=None``) the modules and the
+arithmetic are exactly the single-device ones.
 """
 
 from __future__ import annotations
@@ -19,6 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.attention import TORCH_BACKEND, AttentionMetadata
+from workbench.model.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelGroup,
+    VocabParallelEmbedding,
+    kv_heads_per_rank,
+)
 
 
 class RMSNorm(nn.Module):
@@ -64,16 +77,24 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config) -> None:
+    """Grouped-query attention; under tensor parallelism this rank's heads only (``num_heads``,
+    ``num_kv_heads`` are then the local counts)."""
+
+    def __init__(self, config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        n = tp.world_size if tp is not None else 1
+        self.num_heads = config.num_attention_heads // n
+        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, n)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        if tp is None:
+            self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+            self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        else:
+            self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+            self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias, tp)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
@@ -90,12 +111,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    """SwiGLU; under tensor parallelism this rank's ``intermediate_size / N`` features."""
+
+    def __init__(self, config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size = config.intermediate_size // (tp.world_size if tp is not None else 1)
+        if tp is None:
+            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+            self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
+        else:
+            self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+            self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, tp)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -103,12 +130,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, x, positions, rotary, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
@@ -121,20 +148,27 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: a transformers ``LlamaConfig`` (or any config with the same fields).
         max_positions: length of the RoPE tables (the engine's ``max_model_len``).
+        tp: this rank's tensor-parallel group; ``None`` = the whole model in one process.
+            With a group, load a shard (:func:`workbench.model.parallel.shard_hf_state_dict`).
     """
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.tp = tp
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:  # under TP: this rank's vocabulary rows, as the embedding's
+            rows = self.embed_tokens.weight.shape[0]
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -164,7 +198,10 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, cache, meta)
         x = self.norm(x[logits_indices])
-        return F.linear(x, self.lm_head_weight).float()
+        logits = F.linear(x, self.lm_head_weight)
+        if self.tp is not None:  # [S, ceil(V/N)] per rank -> [S, V] on every rank
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float()
 
     # ---------------------------------------------------------------- weights
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

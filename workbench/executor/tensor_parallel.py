@@ -1,0 +1,612 @@
+"""Tensor parallelism over ``torch.distributed``: worker processes, each holding one shard.
+
+The engine's process is rank 0: it runs the scheduler and the KV-cache manager, lays out
+each step's inputs (:func:`~workbench.executor.local.prepare_inputs`) and sends them to
+ranks 1..N-1, then runs its own shard. Every rank holds its slice of the weights
+(:mod:`workbench.model.parallel`) and of the KV cache — its KV heads only — and computes
+the same step; the row-parallel layers all-reduce, the LM head gathers the logits, so
+every rank ends the step with the same ``[num_sampling, vocab]`` logits and rank 0 samples.
+
+Processes and groups:
+
+* launched by the engine: ``torch.multiprocessing`` with the ``spawn`` start method (a
+  fresh interpreter per worker; the calling script needs the usual
+  ``if __name__ == "__main__":`` guard), rendezvous over TCP on a free local port;
+* launched by ``torchrun``: every process runs ``python -m workbench.executor.tensor_parallel``
+  (see :func:`main`); rank 0 builds the engine, the others serve it (``RANK`` /
+  ``WORLD_SIZE`` / ``MASTER_ADDR`` from the environment);
+* the compute group uses gloo on CPU and NCCL on CUDA, with ``distributed_timeout_s`` on every
+  collective; step messages travel on a separate gloo group (pickled, length first) whose
+  timeout is long, so an idle engine does not time its workers out.
+
+Failure behaviour: a watchdog thread in rank 0 polls the workers; when one exits it kills
+the others, so the collective rank 0 is in fails at once (gloo reports the closed
+connection); a worker that hangs makes rank 0's next collective time out after
+``distributed_timeout_s``. Either way the engine raises :class:`TensorParallelError` naming
+the rank and exit code and reaps every worker. Workers exit when rank 0's process goes away
+(they watch their parent). :meth:`TensorParallelExecutor.shutdown` (also at garbage
+collection and interpreter exit) stops and reaps them and destroys the process group, so an
+engine can be built again in the same process (one tensor-parallel engine at a time).
+
+Communication buffers (the memory budget's ``comm_buffer_bytes``): on CUDA measured — free
+device memory (``torch.cuda.mem_get_info``) before and after the group's first collectives,
+the largest over the ranks; elsewhere modelled by :func:`workbench.comm.nccl_buffer_bytes`
+from the ``NCCL_*`` options (what the same group would take on GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from workbench.comm import CommStats, Timed, nccl_buffer_bytes
+from workbench.executor.local import LocalExecutor, ModelInput
+from workbench.model.llama import LlamaForCausalLM
+from workbench.model.parallel import TensorParallelGroup, check_tensor_parallel, shard_hf_state_dict
+
+log = logging.getLogger("workbench")
+
+#: Timeout of the step-message group: workers wait on it while the engine is idle.
+CONTROL_TIMEOUT = timedelta(days=7)
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker died, hung past the timeout, or failed; the group is shut down."""
+
+
+def nccl_env(config) -> dict[str, str]:
+    """The ``NCCL_*`` environment variables an :class:`~workbench.config.EngineConfig` sets
+    (``nccl_buffsize``, ``nccl_min_nchannels``, ``nccl_max_nchannels``, ``nccl_proto``)."""
+    pairs = {
+        "NCCL_BUFFSIZE": config.nccl_buffsize,
+        "NCCL_MIN_NCHANNELS": config.nccl_min_nchannels,
+        "NCCL_MAX_NCHANNELS": config.nccl_max_nchannels,
+        "NCCL_PROTO": config.nccl_proto,
+    }
+    return {k: str(v) for k, v in pairs.items() if v is not None}
+
+
+def modelled_comm_buffer_bytes(config, world_size: int) -> int:
+    """Per-rank NCCL buffer bytes the model predicts for this config's ``NCCL_*`` options."""
+    return nccl_buffer_bytes(
+        world_size,
+        buffsize=config.nccl_buffsize,
+        nchannels=None,
+        protocols=config.nccl_proto,
+        min_nchannels=config.nccl_min_nchannels,
+        max_nchannels=config.nccl_max_nchannels,
+    ).per_rank_bytes
+
+
+def build_model(hf_config, state_dict, max_model_len: int, dtype, device, tp: TensorParallelGroup | None):
+    """The model (whole, or ``tp``'s shard of it) with its weights, on ``device`` in ``dtype``."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config, max_model_len, tp)
+    model = model.to_empty(device="cpu")
+    model.rotary = type(model.rotary)(hf_config, max_model_len)  # buffers are not in the checkpoint
+    if tp is not None:
+        state_dict = shard_hf_state_dict(state_dict, hf_config, tp.rank, tp.world_size)
+    model.load_hf_state_dict(state_dict)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rotary.float()  # RoPE tables stay float32, as in transformers
+    return model
+
+
+def _move(obj, device):
+    """``obj`` with every tensor inside (dataclasses, lists, tuples, dicts) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: _move(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        )
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_move(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _broadcast(t: torch.Tensor, group, timeout: timedelta) -> None:
+    """Rank 0's broadcast on the step-message group, with its own timeout (the group's is long:
+    the receivers wait through idle time; the sender must not wait on a hung worker)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
+    group.broadcast([t], opts).wait()
+
+
+def _send(msg, group, stats: CommStats | None, timeout: timedelta) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if stats is None:
+        _broadcast(n, group, timeout)
+        _broadcast(buf, group, timeout)
+        return
+    with Timed(stats, "broadcast_bytes", len(data) + 8, torch.device("cpu")):
+        _broadcast(n, group, timeout)
+        _broadcast(buf, group, timeout)
+    stats.num_collectives += 1  # two broadcasts: the length, then the message
+
+
+def _recv(group):
+    n = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(n, 0, group=group)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    dist.broadcast(buf, 0, group=group)
+    return pickle.loads(buf.numpy().tobytes())
+
+
+class _Rank:
+    """One rank's shard and its local cache; executes the step messages."""
+
+    def __init__(self, rank: int, world_size: int, setup: dict) -> None:
+        self.device = _rank_device(setup["device"], rank)
+        self.tp = TensorParallelGroup(rank, world_size, None, self.device)
+        self.model = build_model(
+            setup["hf_config"], setup["state_dict"], setup["max_model_len"], setup["dtype"], self.device, self.tp
+        )
+        self.local: LocalExecutor | None = None
+        self.comm_buffer_bytes = self._first_collectives(setup["hf_config"].hidden_size, setup["dtype"])
+
+    def _first_collectives(self, hidden: int, dtype) -> int | None:
+        """Run the group's first collectives (an all-reduce and an all-gather of a hidden-sized
+        row) and return the device memory they took outside PyTorch's allocator (free device memory
+        before minus after, less the growth of ``torch.cuda.memory_reserved``), largest over the
+        ranks (CUDA), else ``None``."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            free0 = torch.cuda.mem_get_info(self.device)[0]
+            reserved0 = torch.cuda.memory_reserved(self.device)
+        x = torch.ones(hidden, dtype=dtype, device=self.device)
+        dist.all_reduce(x)
+        dist.all_gather([torch.empty_like(x) for _ in range(self.tp.world_size)], x)
+        if not cuda:
+            return None
+        torch.cuda.synchronize(self.device)
+        grown = torch.cuda.memory_reserved(self.device) - reserved0
+        used = torch.tensor([max(0, free0 - torch.cuda.mem_get_info(self.device)[0] - grown)], device=self.device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX)
+        return int(used.item())
+
+    def handle(self, msg):
+        op = msg[0]
+        if op == "execute":
+            _, ids, pos, meta, idx = _move(msg, self.device)
+            return self.local.execute_model(ModelInput(ids, pos, meta, idx, []))
+        if op == "copy":
+            return self.local.copy_blocks(*msg[1:])
+        if op == "init_cache":
+            num_blocks, block_size, kv_dtype, num_cpu_blocks, backend = msg[1:]
+            self.local = LocalExecutor(
+                self.model, num_blocks, block_size, kv_dtype, self.device, num_cpu_blocks, backend
+            )
+            return None
+        if op == "profile":
+            from workbench.memory import profile_activation_peak
+
+            peak = torch.tensor([profile_activation_peak(self.model, *msg[1:])], device=self.device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            return int(peak.item())
+        raise ValueError(f"unknown tensor-parallel op {op!r}")
+
+
+def _rank_device(device, rank: int) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def _tracker_running() -> bool:
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_fd", None) is not None
+
+
+def _stop_tracker() -> None:
+    from multiprocessing import resource_tracker
+
+    try:
+        resource_tracker._resource_tracker._stop()  # private, present since Python 3.8; guarded
+    except Exception:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_env() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when launched by torchrun (or any ``env://`` launcher), else ``None``."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _serve(rank: int, world_size: int, ctrl) -> None:
+    """A worker's life after joining the groups: the setup message, then steps until "stop"."""
+    setup = _recv(ctrl)
+    if setup.get("state_dict") is None:
+        from workbench.model.loader import load_model
+
+        cfg = setup["engine_config"]
+        loaded = load_model(cfg.model, cfg.resolved_cache_dir, cfg.tokenizer)
+        setup["state_dict"] = loaded.state_dict
+    rank_state = _Rank(rank, world_size, setup)
+    del setup
+    while True:
+        msg = _recv(ctrl)
+        if msg[0] == "stop":
+            return
+        rank_state.handle(msg)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:  # the engine's process is gone: nobody will stop us
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _worker_main(rank: int, world_size: int, spec: dict) -> None:
+    """Entry of a spawned worker (module level: ``spawn`` pickles it by name)."""
+    os.environ.update(spec["env"])
+    threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    code = 0
+    try:
+        timeout = timedelta(seconds=spec["timeout_s"])
+        dist.init_process_group(
+            spec["backend"], init_method=spec["init_method"], rank=rank, world_size=world_size, timeout=timeout
+        )
+        ctrl = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        _serve(rank, world_size, ctrl)
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class _Runtime:
+    """What must be torn down, kept apart from the executor so that a finalizer can reach it."""
+
+    def __init__(self) -> None:
+        self.procs: list = []
+        self.failure: str | None = None
+        self.closed = False
+        self.stop = threading.Event()
+        self.ctrl = None
+        self.saved_threads: int | None = None
+        self.saved_env: dict[str, str | None] = {}
+        self.lock = threading.Lock()
+        #: whether multiprocessing's resource tracker (a helper process ``spawn`` starts) ran before us
+        self.tracker_was_running = _tracker_running()
+
+    def watch(self) -> None:
+        while not self.stop.wait(0.1):
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    with self.lock:
+                        if self.closed or self.stop.is_set():
+                            return
+                        self.failure = f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                    log.error("%s; stopping the other workers", self.failure)
+                    self.kill_all()
+                    return
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+
+    def close(self, graceful: bool = True) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.stop.set()
+        if graceful and self.failure is None and self.ctrl is not None:
+            try:
+                _send(("stop",), self.ctrl, None, timedelta(seconds=5))
+            except Exception:  # a worker already gone
+                pass
+        if graceful:  # the workers got "stop": give them a moment to leave the group cleanly
+            deadline = time.monotonic() + 5
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        self.kill_all()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        if not self.tracker_was_running and self.procs and not multiprocessing.active_children():
+            _stop_tracker()  # started for our workers: stop it too, so that no process is left
+        if self.saved_threads is not None:
+            torch.set_num_threads(self.saved_threads)
+        for k, v in self.saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class TensorParallelExecutor:
+    """Rank 0 of a tensor-parallel group, in the engine's process (see the module docstring).
+
+    Args:
+        config: the engine's :class:`~workbench.config.EngineConfig` (``tensor_parallel_size``,
+            ``device``, ``dtype``, ``distributed_timeout_s``, ``nccl_*``).
+        hf_config: the model's transformers config.
+        state_dict: the whole model's weights, transformers names (rank 0 takes its shard;
+            workers load the checkpoint themselves).
+        max_model_len: RoPE table length (tokens).
+        world_size: ranks; ``None`` = ``config.tensor_parallel_size`` (1 gives a one-rank group,
+            e.g. to measure a single NCCL communicator).
+
+    Attributes:
+        model: rank 0's shard (:class:`~workbench.model.llama.LlamaForCausalLM`).
+        stats: rank 0's cumulative :class:`~workbench.comm.CommStats`.
+        comm_buffer_bytes: per-rank communication buffers (bytes), ``comm_buffer_source`` says
+            whether ``"measured (cuda)"`` or ``"modelled (NCCL)"``.
+        worker_pids: process ids of ranks 1..N-1 (spawned workers; empty under torchrun).
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` does not split the model (names the valid sizes), or
+            differs from a torchrun launch's ``WORLD_SIZE``.
+        RuntimeError: another tensor-parallel engine is running in this process.
+        TensorParallelError: a worker failed while starting.
+    """
+
+    def __init__(self, config, hf_config, state_dict, max_model_len: int, world_size: int | None = None) -> None:
+        n = config.tensor_parallel_size if world_size is None else world_size
+        check_tensor_parallel(hf_config, n, name=f"model={config.model!r}")
+        self.world_size = n
+        device = config.torch_device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.backend = backend
+        self.timeout_s = float(config.distributed_timeout_s)
+        launched = _torchrun_env()
+        if launched is not None:
+            rank, size = launched
+            if size != n:
+                raise ValueError(
+                    f"tensor_parallel_size={n} but the launcher started WORLD_SIZE={size} processes; "
+                    f"use --tensor-parallel-size {size} or torchrun --nproc-per-node {n}"
+                )
+            if rank != 0:
+                raise RuntimeError(
+                    f"rank {rank} must serve (workbench.executor.tensor_parallel.serve), not build an engine"
+                )
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a torch.distributed process group already exists in this process (another tensor-parallel "
+                "engine?); call its shutdown() (or LLM.shutdown()) before creating a new one"
+            )
+        rt = self._rt = _Runtime()
+        self._finalizer = weakref.finalize(self, rt.close)
+        env = nccl_env(config)
+        rt.saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        if device.type == "cpu":
+            rt.saved_threads = torch.get_num_threads()
+            threads = max(1, (os.cpu_count() or 1) // n)
+            torch.set_num_threads(threads)
+        else:
+            threads = 0
+        timeout = timedelta(seconds=self.timeout_s)
+        try:
+            if launched is None:
+                init_method = f"tcp://127.0.0.1:{_free_port()}"
+                spec = dict(
+                    env=env,
+                    parent_pid=os.getpid(),
+                    threads=threads,
+                    timeout_s=self.timeout_s,
+                    backend=backend,
+                    init_method=init_method,
+                )
+                ctx = torch.multiprocessing.get_context("spawn")
+                for r in range(1, n):
+                    p = ctx.Process(target=_worker_main, args=(r, n, spec), daemon=True, name=f"workbench-tp-{r}")
+                    p.start()
+                    rt.procs.append(p)
+                threading.Thread(target=rt.watch, daemon=True, name="workbench-tp-watchdog").start()
+                dist.init_process_group(backend, init_method=init_method, rank=0, world_size=n, timeout=timeout)
+            else:
+                dist.init_process_group(backend, init_method="env://", rank=0, world_size=n, timeout=timeout)
+            rt.ctrl = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+            # workers load the checkpoint themselves: the setup message carries its name, not its tensors
+            _send(
+                {"engine_config": config, "state_dict": None, **self._setup(config, hf_config, max_model_len)},
+                rt.ctrl,
+                None,
+                timeout,
+            )
+            self._rank = _Rank(0, n, {"state_dict": state_dict, **self._setup(config, hf_config, max_model_len)})
+        except Exception as e:
+            self._fail(e, "starting the tensor-parallel group")
+        self.model = self._rank.model
+        self.stats = self._rank.tp.stats
+        self.worker_pids = [p.pid for p in rt.procs]
+        if self._rank.comm_buffer_bytes is not None:
+            self.comm_buffer_bytes, self.comm_buffer_source = self._rank.comm_buffer_bytes, "measured (cuda)"
+        else:
+            self.comm_buffer_bytes = modelled_comm_buffer_bytes(config, n)
+            self.comm_buffer_source = "modelled (NCCL)"
+        log.info(
+            "tensor parallel: %d ranks (%s%s), communication buffers %.1f MiB per rank, %s",
+            n,
+            backend,
+            ", torchrun" if launched else ", spawned workers",
+            self.comm_buffer_bytes / 2**20,
+            self.comm_buffer_source,
+        )
+
+    @staticmethod
+    def _setup(config, hf_config, max_model_len) -> dict:
+        return dict(
+            hf_config=hf_config, max_model_len=max_model_len, dtype=config.torch_dtype, device=str(config.torch_device)
+        )
+
+    # ------------------------------------------------------------------ failure
+    def _fail(self, error: BaseException, doing: str):
+        rt = self._rt
+        time.sleep(0.2)  # let a worker that is dying finish, so that it can be named
+        for rank, p in enumerate(rt.procs, start=1):
+            if rt.failure is None and p.exitcode is not None:
+                rt.failure = f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+        reason = rt.failure
+        rt.failure = rt.failure or str(error)
+        rt.close(graceful=False)
+        detail = reason or f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        raise TensorParallelError(
+            f"tensor-parallel group failed while {doing}: {detail}. All workers were stopped; create a new engine "
+            f"(distributed_timeout_s={self.timeout_s:g} bounds how long a hung worker is waited for)"
+        ) from error
+
+    def _run(self, msg, local, doing: str):
+        rt = self._rt
+        if rt.closed:
+            raise TensorParallelError(
+                f"the tensor-parallel group is shut down ({rt.failure or 'shutdown() was called'}); create a new engine"
+            )
+        try:
+            _send(msg, rt.ctrl, self.stats, timedelta(seconds=self.timeout_s))
+            return local()
+        except Exception as e:
+            self._fail(e, doing)
+
+    # ------------------------------------------------------------------ executor interface
+    def profile_activation_peak(self, num_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int) -> int:
+        """Peak activation bytes of one forward at ``num_tokens`` tokens, largest over the ranks
+        (each rank profiles its own shard; see :func:`workbench.memory.profile_activation_peak`)."""
+        msg = ("profile", num_tokens, max_model_len, max_num_seqs, block_size)
+        return self._run(msg, lambda: self._rank.handle(msg), "profiling activations")
+
+    def init_cache(self, num_blocks: int, block_size: int, kv_dtype, num_cpu_blocks: int, attention_backend: str):
+        """Allocate every rank's KV cache: ``[2, num_blocks, block_size, KV heads per rank, head_dim]`` per layer."""
+        msg = ("init_cache", num_blocks, block_size, kv_dtype, num_cpu_blocks, attention_backend)
+        self._run(msg, lambda: self._rank.handle(msg), "allocating the KV cache")
+        self.attn_backend = self._rank.local.attn_backend
+        self.kv_caches = self._rank.local.kv_caches
+
+    def execute_model(self, inp: ModelInput) -> torch.Tensor:
+        """Logits ``[num_sampling, vocab_size]`` (float32) of the sampling tokens, computed by all ranks."""
+        meta = dataclasses.replace(inp.meta, backend=None, extras={})
+        msg = _move(("execute", inp.input_ids, inp.positions, meta, inp.logits_indices), "cpu")
+        return self._run(msg, lambda: self._rank.local.execute_model(inp), "running a step")
+
+    def copy_blocks(self, swap_out, copies, swap_in) -> None:
+        """Block copies (swap out, copy-on-write, swap in) on every rank's cache."""
+        msg = ("copy", swap_out, copies, swap_in)
+        self._run(msg, lambda: self._rank.local.copy_blocks(swap_out, copies, swap_in), "copying blocks")
+
+    def shutdown(self) -> None:
+        """Stop and reap the workers, destroy the process group (idempotent)."""
+        self._rt.close()
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._rt.closed
+
+
+# ---------------------------------------------------------------------- torchrun entry
+def serve() -> None:
+    """Body of a non-zero rank under torchrun: join the groups and serve rank 0 until it stops."""
+    rank, n = _torchrun_env()
+    backend = os.environ.get("WORKBENCH_TP_BACKEND", "gloo")
+    if backend == "nccl":
+        _rank_device("cuda", rank)
+    timeout = timedelta(seconds=float(os.environ.get("WORKBENCH_TP_TIMEOUT", "120")))
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=n, timeout=timeout)
+    ctrl = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    try:
+        _serve(rank, n, ctrl)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``torchrun --nproc-per-node N -m workbench.executor.tensor_parallel [--model M] [--device D]
+    [--max-tokens T] [--prompt P ...] [--prompt-ids 1,5,9 ...]``: rank 0 runs the engine with ``tensor_parallel_size=N``
+    on the prompts and prints each output's token ids and text; the other ranks serve it."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m workbench.executor.tensor_parallel", description=main.__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--num-gpu-blocks-override", type=int, default=64)
+    ap.add_argument("--distributed-timeout-s", type=float, default=120.0)
+    ap.add_argument("--prompt", action="append", default=None, help="a text prompt (repeatable)")
+    ap.add_argument("--prompt-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
+    args = ap.parse_args(argv)
+    launched = _torchrun_env()
+    if launched is None:
+        raise SystemExit("run this under torchrun (it reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)")
+    rank, n = launched
+    os.environ.setdefault("WORKBENCH_TP_BACKEND", "nccl" if args.device.startswith("cuda") else "gloo")
+    os.environ.setdefault("WORKBENCH_TP_TIMEOUT", str(args.distributed_timeout_s))
+    if rank != 0:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+        serve()
+        return
+    from workbench import LLM, SamplingParams
+
+    kw = {} if args.model is None else {"model": args.model}
+    llm = LLM(
+        tensor_parallel_size=n,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        distributed_timeout_s=args.distributed_timeout_s,
+        **kw,
+    )
+    try:
+        prompts = list(args.prompt or []) + [[int(t) for t in p.split(",")] for p in args.prompt_ids or []]
+        prompts = prompts or ["The capital of France is"]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+        for o in outs:
+            print(f"{o.outputs[0].token_ids}\t{o.outputs[0].text!r}", flush=True)
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # torchrun stops ranks with SIGTERM
+    main()
