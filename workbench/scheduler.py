@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workbench.kv.manager import KVCacheManager
@@ -36,6 +37,19 @@ from workbench.request import Request, RequestStatus
 
 #: values of ``batching_policy``
 BATCHING_POLICIES = ("continuous", "static", "grouped")
+
+
+def _remove_identical(q, request: Request) -> bool:
+    """Remove ``request`` itself (by identity) from a list or deque; False when absent.
+
+    ``list.remove`` / ``in`` compare with the dataclass ``__eq__``, which builds a tuple of every
+    field of every request passed over: per finished request that is O(queue) field tuples.
+    """
+    for i, r in enumerate(q):
+        if r is request:
+            del q[i]
+            return True
+    return False
 
 
 @dataclass
@@ -104,6 +118,8 @@ class Scheduler:
             when the swap pool is full). vLLM paper, Kwon et al., SOSP 2023, §4.5.
         batching_policy: ``"continuous"`` (iteration-level, the default), ``"static"`` or
             ``"grouped"`` (see the module docstring).
+        clock: returns the current time in seconds (scheduled and finish times of requests);
+            ``time.perf_counter`` by default, the simulated clock in :mod:`workbench.sim`.
 
     Raises:
         ValueError: an unknown policy or mode.
@@ -119,6 +135,7 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         preemption_mode: str = "recompute",
         batching_policy: str = "continuous",
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if batching_policy not in BATCHING_POLICIES:
             raise ValueError(f"batching_policy={batching_policy!r} must be one of {BATCHING_POLICIES}")
@@ -127,6 +144,7 @@ class Scheduler:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={preemption_mode!r} must be 'recompute' or 'swap'")
         self.kv = kv
+        self.clock = clock
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -159,17 +177,17 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state and release everything it holds."""
+        was_running = request.status == RequestStatus.RUNNING
         request.status = status
-        request.finish_time = time.perf_counter()
+        request.finish_time = self.clock()
         self.batch.discard(request.request_id)
         self.kv.free(request.request_id)
         self.kv.drop_swapped(request.request_id)
-        for q in (self.running, self.waiting, self.swapped):
-            if request in q:
-                q.remove(request)
+        # a running request is only in `running`; the waiting queue can hold thousands under overload
+        for q in (self.running,) if was_running else (self.running, self.waiting, self.swapped):
+            _remove_identical(q, request)
         for sibs in self.fork_pending.values():
-            if request in sibs:
-                sibs.remove(request)
+            _remove_identical(sibs, request)
         self._release_siblings(request)
 
     def _release_siblings(self, request: Request) -> None:
@@ -199,7 +217,7 @@ class Scheduler:
         return n
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        self.running.remove(victim)
+        _remove_identical(self.running, victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -326,7 +344,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.perf_counter()
+                req.first_scheduled_time = self.clock()
             self.running.append(req)
             self._add(out, req, n)
             scheduled_ids.add(req.request_id)
@@ -368,7 +386,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.perf_counter()
+                req.first_scheduled_time = self.clock()
             self.running.append(req)
             self._add(out, req, n)
             scheduled_ids.add(req.request_id)
@@ -389,7 +407,7 @@ class Scheduler:
         Args:
             out: this step's schedule.
             sampled: the new token of each request that sampled.
-            now: ``time.perf_counter()`` at the end of the step.
+            now: ``self.clock()`` at the end of the step.
 
         Returns:
             The requests that finished this step (their blocks are already freed).

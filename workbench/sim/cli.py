@@ -1,0 +1,247 @@
+"""``workbench simulate`` (click): replay a trace on a simulated server, or calibrate the cost model."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from workbench.cli import _engine_args, engine_options
+
+
+def _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels, calibration):
+    from workbench.kvcalc import load_arch, parse_size
+    from workbench.sim.calibrate import load_calibration
+    from workbench.sim.engine import SimSpec
+    from workbench.sim.hardware import find_hardware
+
+    arch = load_arch(model)
+    if calibration:
+        hw, eff = load_calibration(calibration)
+        if gpu.lower() != hw.name.lower():
+            raise ValueError(
+                f"--calibration {calibration} is for {hw.name!r} but --gpu is {gpu!r}; give --gpu {hw.name}"
+            )
+    else:
+        from workbench.sim.cost import Efficiency
+
+        hw, eff = find_hardware(gpu), Efficiency()
+    if activation_reserve == "estimate":
+        act = None
+    else:
+        try:
+            act = parse_size(activation_reserve, allow_zero=True)
+        except ValueError as e:
+            raise ValueError(f"--activation-reserve: {e}, or 'estimate'") from None
+    return SimSpec(arch, hw, tensor_parallel_size, dtype, kv_cache_dtype, eff, act, nccl_nchannels)
+
+
+@click.command("simulate", short_help="Replay a trace on a simulated GPU server (or calibrate the cost model).")
+@click.option(
+    "--model",
+    default="llama-2-70b",
+    show_default=True,
+    help="catalogue name (workbench kv-calc --list), config.json, HF folder or .gguf",
+)
+@click.option(
+    "--gpu",
+    default="A100-80GB",
+    show_default=True,
+    help="A100-40GB, A100-80GB, H100-80GB, H200, L4, T4, V100-32GB, or cpu (this machine, probed)",
+)
+@click.option(
+    "--tensor-parallel-size",
+    "--num-gpus",
+    "-tp",
+    "tensor_parallel_size",
+    default=4,
+    show_default=True,
+    type=int,
+    help="GPUs the model is split over",
+)
+@click.option(
+    "--dtype",
+    default="float16",
+    show_default=True,
+    type=click.Choice(["float16", "bfloat16", "float32"]),
+    help="weights' dtype",
+)
+@click.option(
+    "--kv-cache-dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "float16", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+)
+@click.option(
+    "--activation-reserve",
+    default="estimate",
+    show_default=True,
+    help="memory per GPU for activations: a size (2GiB, 0) or 'estimate' (kv-calc's analytical bound)",
+)
+@click.option(
+    "--nccl-nchannels",
+    default=None,
+    type=int,
+    help="NCCL channels of the buffer model (workbench.comm) [default: its own]",
+)
+@click.option(
+    "--calibration",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="a calibration JSON (from --calibrate): its hardware profile and fitted efficiencies",
+)
+@click.option("--request-rate", default=12.0, show_default=True, type=float, help="requests per second")
+@click.option("--duration", default=60.0, show_default=True, type=float, help="seconds of arrivals")
+@click.option("--arrival", default="poisson", show_default=True, type=click.Choice(["poisson", "constant"]))
+@click.option(
+    "--dataset",
+    default="sharegpt",
+    show_default=True,
+    help="sharegpt | alpaca (log-normal lengths, the vLLM paper's means) | a JSONL/JSON trace file",
+)
+@click.option("--max-tokens", default=None, type=int, help="output cap of requests that end with EOS [max_model_len]")
+@click.option("--window", default=600.0, show_default=True, type=float, help="timeline window (simulated s)")
+@click.option(
+    "--itl/--no-itl",
+    default=True,
+    show_default=True,
+    help="keep every inter-token gap in requests.jsonl (long replays: tens of millions)",
+)
+@click.option("--output-dir", default="runs", show_default=True, help="parent of the run folder")
+@click.option("--run-name", default=None, help="the run folder's name [sim-<timestamp>]")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option(
+    "--calibrate", is_flag=True, help="fit the cost model to real runs (--train) and report its error (--test)"
+)
+@click.option("--train", multiple=True, type=click.Path(file_okay=False), help="a real run folder to fit on (repeat)")
+@click.option("--test", multiple=True, type=click.Path(file_okay=False), help="a held-out real run folder (repeat)")
+@click.option("--calibration-out", default=None, help="where --calibrate writes its JSON [runs/calibration-<gpu>.json]")
+@engine_options(
+    exclude=(
+        "model",
+        "tokenizer",
+        "dtype",
+        "device",
+        "device_memory",
+        "attention_backend",
+        "kv_cache_dtype",
+        "block_map_every",
+        "tensor_parallel_size",
+        "distributed_executor_backend",
+        "distributed_timeout_s",
+    )
+)
+def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels,
+                     calibration, request_rate, duration, arrival, dataset, max_tokens, window, itl, output_dir,
+                     run_name, progress, calibrate, train, test, calibration_out, **kw):  # fmt: skip
+    """Replay a trace of requests on TENSOR_PARALLEL_SIZE simulated GPUs serving MODEL, with the real
+    scheduler and KV manager and a cost model of the GPU; write a run folder like `workbench run`.
+
+    \b
+    workbench simulate --model llama-2-70b --gpu A100-80GB -tp 4 --gpu-memory-utilization 0.9 \\
+        --max-num-seqs 256 --request-rate 12 --duration 7200 --no-itl
+    workbench simulate --model llama-2-7b --gpu L4 -tp 1 --dataset alpaca --request-rate 4
+    workbench simulate --calibrate --gpu cpu --train runs/A --train runs/B --test runs/C
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if calibrate:
+        _calibrate(console, gpu, train, test, calibration_out)
+        return
+    if train or test:
+        raise click.UsageError("--train / --test go with --calibrate")
+    from workbench.sim.run import simulate_job
+    from workbench.sim.trace import make_trace
+
+    args = _engine_args(kw)
+    seed = args.pop("seed", 0)
+    args.pop("device_memory", None)
+    try:
+        spec = _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels,
+                     calibration)  # fmt: skip
+        trace = make_trace(request_rate, duration, dataset, arrival, seed)
+        info = {"request_rate": request_rate, "duration_s": duration, "arrival": arrival, "dataset": dataset,
+                "seed": seed, "num_requests": len(trace)}  # fmt: skip
+        res = simulate_job(spec, trace, output_dir=output_dir, run_name=run_name, progress=progress,
+                           record_itl=itl, window_s=window, trace_info=info, max_tokens=max_tokens, **args)  # fmt: skip
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    s = res.summary
+    eng = res.engine
+
+    def ms(v):
+        return "n/a" if v is None else f"{v * 1000:,.1f} ms"
+
+    t = Table(title=f"workbench simulate: {spec.arch.name} on {eng.memory.device_name}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("memory", eng.memory.summary_line()),
+        ("cost model", spec.efficiency.source),
+        (
+            "requests (finished / errors)",
+            f"{s['requests_total']:,} ({s['requests_finished']:,} / {s['requests_errored']})",
+        ),
+        ("simulated duration", f"{s['simulated_duration_s']:,.1f} s"),
+        ("replay took (this machine)", f"{s['replay_wall_s']:,.1f} s for {s['num_steps']:,} steps"),
+        ("request throughput", f"{s['request_throughput_req_s']:,.2f} req/s"),
+        ("output throughput", f"{s['output_throughput_tok_s']:,.1f} tok/s"),
+        ("TTFT p50 / p99", f"{ms(s['ttft_p50_s'])} / {ms(s['ttft_p99_s'])}"),
+        ("TPOT p50 / p99", f"{ms(s['tpot_p50_s'])} / {ms(s['tpot_p99_s'])}"),
+        ("mean requests batched per step", f"{s['batched_reqs_mean']:.1f}"),
+        ("KV blocks used (peak / pool)", f"{s['blocks_used_peak']:,} / {eng.memory.num_blocks:,}"),
+        ("preemptions", f"{s['preemptions_total']:,}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    if res.run_dir is not None:
+        console.print(f"report:   {res.run_dir / 'report.html'}")
+        console.print(f"steps:    {res.run_dir / 'steps.jsonl'}")
+        console.print(f"requests: {res.run_dir / 'requests.jsonl'}")
+        console.print(f"timeline: {res.run_dir / 'timeline.json'}")
+
+
+def _calibrate(console, gpu, train, test, out) -> None:
+    from pathlib import Path
+
+    from workbench.sim.calibrate import calibrate
+    from workbench.sim.hardware import find_hardware
+
+    if not train:
+        raise click.UsageError(
+            "--calibrate needs at least one real run folder: --train runs/<folder> (write them with workbench run)"
+        )
+    try:
+        cal = calibrate(list(train), list(test), find_hardware(gpu))
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    path = cal.save(out or Path("runs") / f"calibration-{cal.hardware.name}.json")
+    e = cal.efficiency
+    console.print(
+        f"fitted on {len(train)} run(s), {cal.fit.num_steps} steps: compute efficiency {e.compute:.3f} of "
+        f"{cal.hardware.peak_flops / 1e9:,.1f} GFLOP/s, memory efficiency {e.memory:.3f} of "
+        f"{cal.hardware.hbm_bandwidth / 1e9:,.1f} GB/s, overhead {e.overhead_s * 1e3:.2f} ms/step + "
+        f"{e.per_seq_s * 1e3:.3f} ms/sequence; {cal.fit.compute_bound_steps} steps compute-bound",
+        markup=False,
+    )
+    from rich.table import Table
+
+    t = Table(title="step-time and throughput error of the simulator against real runs")
+    for c in ("set", "run", "steps (matched)", "median |step error|", "real tok/s", "sim tok/s", "throughput error"):
+        t.add_column(c)
+    for name, rows in (("fit", cal.train), ("held out", cal.test)):
+        for r in rows:
+            t.add_row(name, r["run"], f"{r['steps']} ({r['steps_matched']})", f"{r['median_abs_step_error']:.1%}",
+                      f"{r['real_throughput_tok_s']:,.1f}", f"{r['sim_throughput_tok_s']:,.1f}",
+                      f"{r['throughput_error']:+.1%}")  # fmt: skip
+    console.print(t)
+    held = cal.held_out_step_error()
+    if held is not None:
+        console.print(f"held-out median |step-time error| {held:.1%} over {sum(r['steps'] for r in cal.test)} steps",
+                      markup=False)  # fmt: skip
+    console.print(f"calibration: {path}  (use it: workbench simulate --gpu {cal.hardware.name} --calibration {path})",
+                  markup=False)  # fmt: skip
+    click.echo(json.dumps({"held_out_median_abs_step_error": held}))

@@ -1,0 +1,438 @@
+"""The simulated engine: the real scheduler and KV manager driven by a cost model on a simulated clock.
+
+:class:`SimEngine` is an :class:`~workbench.engine.LLMEngine` without a model: the same
+:class:`~workbench.scheduler.Scheduler`, the same KV-cache managers (paged or contiguous), the
+same request bookkeeping (:meth:`LLMEngine.add_request`) and the same per-step records
+(``LLMEngine._record_step``: StepStats with the settled waste breakdown, request records), so a
+simulated run folder reads like a real one. What differs:
+
+* the executor is :class:`SimulatedExecutor`: for each ``SchedulerOutput`` it returns the step's
+  duration from :class:`~workbench.sim.cost.CostModel` and one token per sampling sequence — the
+  end-of-sequence token when the trace says the request ends there, else token 0;
+* the clock is simulated: a step that starts at ``t`` ends at ``t + duration``; arrivals,
+  first-scheduled, first-token and finish times (so TTFT, TPOT, ITL, e2e) are simulated seconds;
+  when nothing runs the clock jumps to the next arrival;
+* the memory budget is :func:`workbench.memory.plan_memory` on the simulated device's capacity
+  with the model's weights per rank, an activation reserve and the NCCL buffers of the
+  tensor-parallel group — the same arithmetic as ``workbench kv-calc``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from workbench.catalog import ModelArch
+from workbench.config import EngineConfig, GiB
+from workbench.engine import LLMEngine
+from workbench.kv.contiguous import ContiguousKVCacheManager
+from workbench.kv.manager import KVCacheManager
+from workbench.memory import activation_peak_bytes, plan_memory
+from workbench.metrics import Recorder, StepStats
+from workbench.request import Request
+from workbench.sampling import SamplingParams
+from workbench.scheduler import Scheduler, SchedulerOutput
+from workbench.sim.cost import DTYPE_BYTES, CostModel, Efficiency, StepCost, StepShape
+from workbench.sim.hardware import HardwareSpec
+from workbench.sim.trace import TraceRequest
+
+log = logging.getLogger("workbench")
+
+#: token id the simulator samples for a request's end-of-sequence
+SIM_EOS = 1
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def comm_buffer_bytes(
+    tensor_parallel_size: int, nchannels: int | None = None, config: EngineConfig | None = None
+) -> int:
+    """Device memory of one rank's NCCL buffers (0 on one device).
+
+    The one call site of the communication-buffer model (:func:`workbench.comm.nccl_buffer_bytes`:
+    ring algorithm, ``nchannels`` channels); ``NCCL_BUFFSIZE``, ``NCCL_PROTO`` and the channel
+    bounds come from the engine arguments ``nccl_buffsize``, ``nccl_proto``,
+    ``nccl_min_nchannels`` / ``nccl_max_nchannels`` when the config has them (NCCL's defaults otherwise).
+    """
+    if tensor_parallel_size < 2:
+        return 0
+    from workbench.comm import nccl_buffer_bytes
+
+    kw = {}
+    for arg, name in (
+        ("buffsize", "nccl_buffsize"),
+        ("protocols", "nccl_proto"),
+        ("min_nchannels", "nccl_min_nchannels"),
+        ("max_nchannels", "nccl_max_nchannels"),
+    ):
+        v = getattr(config, name, None)
+        if v is not None:
+            kw[arg] = v
+    return nccl_buffer_bytes(tensor_parallel_size, nchannels=nchannels, **kw).per_rank_bytes
+
+
+@dataclass
+class _SimComm:
+    """A step's simulated collectives, in the shape of :class:`workbench.comm.CommStats` (its ``to_dict``)."""
+
+    allreduce_bytes: int
+    num_collectives: int
+    comm_time_s: float
+
+    def to_dict(self) -> dict:
+        return {
+            "allreduce_bytes": self.allreduce_bytes,
+            "num_collectives": self.num_collectives,
+            "comm_time_s": self.comm_time_s,
+        }
+
+
+@dataclass
+class SimSpec:
+    """What is simulated: a model on ``tensor_parallel_size`` devices of one kind.
+
+    Attributes:
+        arch: the model (``workbench.catalog.MODELS`` entry, or any config ``kv-calc`` reads).
+        hardware: one device (:data:`workbench.sim.hardware.HARDWARE` entry or a CPU profile).
+        tensor_parallel_size: devices the model is split over.
+        dtype: weights' dtype name (``float16``, ``bfloat16``, ``float32``).
+        kv_cache_dtype: ``auto`` (= ``dtype``), a dtype name, or ``fp8``.
+        efficiency: the cost model's parameters (default: uncalibrated, see :class:`Efficiency`).
+        activation_bytes: memory per device kept for activations; ``None`` = the analytical
+            estimate of one forward at ``max_num_batched_tokens`` (``kv-calc --activation-reserve
+            estimate``: :func:`workbench.memory.activation_peak_bytes`).
+        nccl_nchannels: channels of the NCCL buffer model (``None``: its default).
+    """
+
+    arch: ModelArch
+    hardware: HardwareSpec
+    tensor_parallel_size: int = 1
+    dtype: str = "float16"
+    kv_cache_dtype: str = "auto"
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    activation_bytes: int | None = None
+    nccl_nchannels: int | None = None
+
+
+@dataclass
+class SimStepResult:
+    """What the simulated executor returns for one step."""
+
+    duration_s: float
+    num_sampled: int
+    cost: StepCost
+
+
+class SimulatedExecutor:
+    """The executor of a simulated run: no weights, no tensors (ARCHITECTURE §5).
+
+    Args:
+        cost_model: prices a step.
+        block_size: tokens per KV block (prices swaps and copies).
+    """
+
+    def __init__(self, cost_model: CostModel, block_size: int) -> None:
+        self.cost = cost_model
+        self.block_size = block_size
+
+    def execute(self, out: SchedulerOutput) -> SimStepResult:
+        """Duration and sampled-token count of one step.
+
+        Each scheduled sequence of ``n`` tokens after ``start`` computed ones is a prefill chunk
+        ``(start, n)`` when ``n > 1`` and a decode of context ``start + 1`` otherwise.
+        """
+        decode_ctx = 0
+        n_dec = 0
+        pairs = 0
+        kv_read = 0
+        tokens = 0
+        sampling = 0
+        for s in out.scheduled:
+            n = s.num_new_tokens
+            st = s.start
+            tokens += n
+            if s.samples:
+                sampling += 1
+            if n == 1:
+                decode_ctx += st + 1
+                n_dec += 1
+            else:
+                pairs += n * st + n * (n + 1) // 2
+                kv_read += st + n
+        cost = self.cost.step_from_sums(
+            num_tokens=tokens,
+            num_seqs=len(out.scheduled),
+            num_sampling=sampling,
+            pairs=pairs + decode_ctx,
+            kv_read_tokens=kv_read + decode_ctx,
+            swap_blocks=len(out.swap_out) + len(out.swap_in),
+            copied_blocks=len(out.block_copies),
+            block_bytes=self.cost.kv_bytes_per_token * self.block_size,
+        )
+        return SimStepResult(cost.time_s, sampling, cost)
+
+    def shape(self, out: SchedulerOutput) -> StepShape:
+        """The step as a :class:`StepShape` (for inspection and tests)."""
+        sh = StepShape(block_size=self.block_size)
+        for s in out.scheduled:
+            if s.num_new_tokens == 1:
+                sh.decode.append(s.start + 1)
+            else:
+                sh.prefill.append((s.start, s.num_new_tokens))
+            sh.num_sampling += s.samples
+        sh.swap_blocks = len(out.swap_out) + len(out.swap_in)
+        sh.copied_blocks = len(out.block_copies)
+        return sh
+
+
+class SimEngine(LLMEngine):
+    """An :class:`LLMEngine` whose executor is a cost model and whose clock is simulated.
+
+    Args:
+        config: engine arguments (``block_size``, ``gpu_memory_utilization``, ``max_num_seqs``,
+            ``max_num_batched_tokens``, ``max_model_len``, preemption, prefix caching, allocator,
+            ...); ``model``, ``device``, ``dtype`` and ``attention_backend`` are not used (the
+            ``spec`` names model, device and dtype).
+        spec: model, hardware, tensor-parallel size, dtypes, cost-model parameters.
+        recorder: where StepStats and request records go.
+        max_model_len: default ``min(model's max_position_embeddings, 4096)`` when the config has none.
+
+    Raises:
+        ValueError: bad engine arguments, a model that does not split over the tensor-parallel
+            size, or a memory budget that leaves no room for one ``max_model_len`` sequence
+            (the message names the figures and the fix).
+    """
+
+    def __init__(self, config: EngineConfig, spec: SimSpec, recorder: Recorder | None = None) -> None:
+        # LLMEngine.__init__ loads a model; the simulated engine sets the same attributes without one.
+        self.config = config.validate()
+        self.recorder = recorder or Recorder()
+        self.spec = spec
+        arch, hw, tp = spec.arch, spec.hardware, spec.tensor_parallel_size
+        self.hf_config = arch
+        self.tokenizer = None
+        self.model_folder = arch.source or arch.name
+        self.load_time_s = 0.0
+        self.device = torch.device("cpu")
+        self._tp = None  # no worker processes: the tensor-parallel group is simulated
+        model_max = arch.max_position_embeddings or EngineConfig.DEFAULT_MAX_MODEL_LEN
+        if config.max_model_len is None:
+            self.max_model_len = min(model_max, EngineConfig.DEFAULT_MAX_MODEL_LEN)
+        elif config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds {arch.name}'s max_position_embeddings={model_max}; "
+                f"use max_model_len <= {model_max}"
+            )
+        else:
+            self.max_model_len = config.max_model_len
+        if config.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = config.max_num_batched_tokens
+        elif config.enable_chunked_prefill:
+            self.max_num_batched_tokens = max(EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+        else:
+            self.max_num_batched_tokens = max(self.max_model_len, config.max_num_seqs)
+
+        self.cost_model = CostModel(arch, hw, tp, spec.dtype, spec.kv_cache_dtype, spec.efficiency)
+        kv_name = spec.dtype if spec.kv_cache_dtype == "auto" else spec.kv_cache_dtype
+        w_dtype = _TORCH_DTYPES[spec.dtype]
+        activation = spec.activation_bytes
+        if activation is None:
+            activation = activation_peak_bytes(arch, self.max_num_batched_tokens, config.max_num_seqs, w_dtype)
+        self.comm_buffer_bytes = comm_buffer_bytes(tp, spec.nccl_nchannels, config)
+        mb = plan_memory(
+            hf_config=arch,
+            device=torch.device("cpu"),  # capacity = device_memory: the simulated device's
+            device_memory=hw.memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            weights_bytes=arch.num_params(tp) * DTYPE_BYTES[spec.dtype],
+            kv_dtype=_TORCH_DTYPES[kv_name],
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            activation_bytes=activation,
+            comm_buffer_bytes=self.comm_buffer_bytes,
+            num_gpu_blocks_override=config.num_gpu_blocks_override,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            tensor_parallel_size=tp,
+        )
+        self.memory = replace(
+            mb,
+            source="simulated" if mb.source == "cpu device_memory" else mb.source,
+            device_name=f"{tp} x {hw.name}" if tp > 1 else hw.name,
+        )
+        log.info(self.memory.summary_line())
+        if config.block_map_every and self.memory.num_blocks > self.MAX_BLOCK_MAP_BLOCKS:
+            raise ValueError(
+                f"block_map_every={config.block_map_every} records a picture of every block, but the pool has "
+                f"{self.memory.num_blocks:,} blocks (more than {self.MAX_BLOCK_MAP_BLOCKS:,}); set block_map_every=0"
+            )
+        num_cpu_blocks = 0
+        if config.preemption_mode == "swap":
+            num_cpu_blocks = int(config.swap_space * GiB) // self.memory.block_bytes
+            if num_cpu_blocks < 1:
+                raise ValueError(
+                    f"swap_space={config.swap_space} GiB holds no KV block of {self.memory.block_bytes:,} B; "
+                    "raise swap_space or use preemption_mode='recompute'"
+                )
+        if config.kv_allocator == "paged":
+            self.kv = KVCacheManager(
+                self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
+            )
+        else:
+            self.kv = ContiguousKVCacheManager(self.memory.num_blocks, config.block_size, config.kv_allocator)
+        self.now = 0.0
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            scheduling_policy=config.scheduling_policy,
+            preemption_mode=config.preemption_mode,
+            batching_policy=config.batching_policy,
+            clock=self._clock,
+        )
+        self.executor = SimulatedExecutor(self.cost_model, config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}
+        self._generators: dict = {}
+        self._refused: list[Request] = []
+        self._counter = 0
+        self._step = 0
+        self._holding: dict[str, tuple[Request, int, list]] = {}
+        self.start_time = 0.0
+        self.eos_token_id = SIM_EOS
+        self._pending: deque[tuple[str, TraceRequest]] = deque()
+        self._stop_at: dict[str, int] = {}  # request id -> output length at which it samples EOS
+        self._num_traced = 0
+        #: keep every inter-token gap in the request records (False: ``itl_s`` stays empty)
+        self.record_itl = True
+        #: when a list: ``(StepCost, sequences scheduled)`` of every recorded step is appended (calibration)
+        self.step_costs: list | None = None
+        self._comm_fields = "allreduce_bytes" in StepStats.__dataclass_fields__
+        self._max_tokens: int | None = None
+
+    def _clock(self) -> float:
+        return self.now
+
+    # ------------------------------------------------------------------ requests
+    def add_trace(self, trace: list[TraceRequest], max_tokens: int | None = None) -> None:
+        """Queue a trace's requests; each enters the engine when the clock reaches its arrival.
+
+        Args:
+            trace: requests in arrival order (a later call appends; arrivals must not go back in time).
+            max_tokens: output cap of requests that end with EOS (``None`` = ``max_model_len``).
+
+        Raises:
+            ValueError: arrivals out of order.
+        """
+        last = self._pending[-1][1].arrival_s if self._pending else -1.0
+        for i, tr in enumerate(trace):
+            if tr.arrival_s < last:
+                raise ValueError(
+                    f"trace request {i} arrives at {tr.arrival_s} s, before the previous one ({last} s); "
+                    "sort the trace by arrival time"
+                )
+            last = tr.arrival_s
+            self._pending.append((f"sim-{self._num_traced}", tr))
+            self._num_traced += 1
+        self._max_tokens = max_tokens
+
+    def _admit_arrivals(self) -> None:
+        while self._pending and self._pending[0][1].arrival_s <= self.now:
+            rid, tr = self._pending.popleft()
+            self.add_request_lengths(rid, tr.prompt_len, tr.output_len, tr.eos, tr.arrival_s)
+
+    def add_request_lengths(
+        self, request_id: str, prompt_len: int, output_len: int, eos: bool = True, arrival_time: float = 0.0
+    ) -> str:
+        """Queue one request by its lengths (tokens), arriving at ``arrival_time`` (simulated s).
+
+        ``eos=True``: it samples the end-of-sequence token as its ``output_len``-th token
+        (``max_tokens`` = the ``add_trace`` cap, or ``max_model_len``); ``eos=False``: it runs to
+        ``max_tokens = output_len``. Prompt token ids are distinct per request (no prefix is shared).
+        """
+        if eos:
+            cap = self._max_tokens or self.max_model_len
+            sp = SamplingParams(max_tokens=max(cap, output_len))
+            self._stop_at[request_id] = output_len
+        else:
+            sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        ids = [2 + (self._counter % 1_000_000_007)] + [0] * (prompt_len - 1)
+        return self.add_request(
+            request_id, None, sp, arrival_time=arrival_time, tokenized=(ids, None), expected_output_len=output_len
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or super().has_unfinished_requests()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list:
+        """One simulated step: admit arrivals, schedule, price the step, advance the clock, update.
+
+        Returns the requests finished in it (``Request`` objects; no text is decoded).
+        """
+        self._admit_arrivals()
+        if not super().has_unfinished_requests():
+            if not self._pending:
+                return []
+            self.now = max(self.now, self._pending[0][1].arrival_s)  # idle: jump to the next arrival
+            self._admit_arrivals()
+        finished: list[Request] = self._refused
+        self._refused = []
+        t_start = self.now
+        out = self.scheduler.schedule()
+        if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting requests")
+        res = self.executor.execute(out)
+        t_end = t_start + res.duration_s
+        self.now = t_end
+        if not out.is_empty:
+            sampled = {}
+            stop_at = self._stop_at
+            for s in out.scheduled:
+                if s.samples:
+                    r = s.request
+                    rid = r.request_id
+                    sampled[rid] = SIM_EOS if stop_at.get(rid) == r.num_output_tokens + 1 else 0
+            finished += self.scheduler.update(out, sampled, t_end)
+        if not self.record_itl:
+            for r in finished:
+                r.token_times = []
+        if not out.is_empty or finished or out.preempted:
+            over = res.cost.overhead_s
+            comm = None
+            if self._comm_fields and res.cost.comm_s > 0:
+                layers = self.spec.arch.num_hidden_layers
+                per = out.total_tokens * self.spec.arch.hidden_size * DTYPE_BYTES[self.spec.dtype]
+                comm = _SimComm(2 * layers * per, 2 * layers, res.cost.comm_s)
+            if comm is None:
+                self._record_step(out, finished, t_start, t_end, over, res.duration_s - over, 0.0)
+            else:
+                self._record_step(out, finished, t_start, t_end, over, res.duration_s - over, 0.0, comm)
+            if self.step_costs is not None:
+                self.step_costs.append((res.cost, len(out.scheduled)))
+        for r in finished:
+            self.requests.pop(r.request_id, None)
+            self._stop_at.pop(r.request_id, None)
+            self.groups.pop(r.parent_id, None)
+        return finished
+
+    def run(self, progress=None) -> None:
+        """Step until every queued and pending request has finished.
+
+        Args:
+            progress: a callable ``(engine) -> None`` called after each step (e.g. a progress bar).
+        """
+        while self.has_unfinished_requests():
+            self.step()
+            if progress is not None:
+                progress(self)
