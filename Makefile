@@ -24,7 +24,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 test: venv lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -179,6 +179,32 @@ def engine_options(f=None, *, exclude: tuple[str, ...] = ()):
             help="paged attention: auto (Triton on CUDA if installed, else PyTorch), the PyTorch reference, "
             "compiled Triton kernels (CUDA), or the Triton kernels in Triton's interpreter (slow; teaching)",
         ),
+        click.option(
+            "--tensor-parallel-size",
+            "-tp",
+            default=1,
+            show_default=True,
+            type=int,
+            help="ranks the model is split across (worker processes; gloo on CPU, NCCL on CUDA)",
+        ),
+        click.option(
+            "--distributed-executor-backend",
+            type=click.Choice(["uni", "mp"]),
+            default=None,
+            help="uni = one process (tensor-parallel-size 1 only); mp = worker processes (default when "
+            "tensor-parallel-size > 1; with 1, a one-rank process group)",
+        ),
+        click.option(
+            "--distributed-timeout-s",
+            default=120.0,
+            show_default=True,
+            type=float,
+            help="seconds a collective waits for the other ranks before the engine fails",
+        ),
+        click.option("--nccl-buffsize", default=None, type=int, help="NCCL_BUFFSIZE for every rank (bytes; NCCL: 4 MiB)"),
+        click.option("--nccl-min-nchannels", default=None, type=int, help="NCCL_MIN_NCHANNELS for every rank"),
+        click.option("--nccl-max-nchannels", default=None, type=int, help="NCCL_MAX_NCHANNELS for every rank"),
+        click.option("--nccl-proto", default=None, help="NCCL_PROTO for every rank, e.g. Simple or ^LL128"),
     ]
     for o in reversed(opts):
 
@@ -287,6 +313,16 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     ]
     if swapped:
         rows.append(("KV blocks swapped out / in", f"{swapped[0]:,} / {swapped[1]:,}"))
+    comm_s = sum(x.comm_time_s for x in steps)
+    if comm_s:  # tensor parallelism: rank 0's seconds in collectives, within the model time
+        model_s = sum(x.model_time_s for x in steps)
+        mib = sum(x.allreduce_bytes for x in steps) / 2**20
+        rows.append(
+            (
+                "collectives / model time (tensor parallel)",
+                f"{comm_s:.2f} s / {model_s:.2f} s, {mib:,.1f} MiB all-reduced",
+            )
+        )
     if queries:
         rows.append(("prefix-cache hit rate (prompt tokens)", f"{hits / queries:.1%} ({hits:,} of {queries:,})"))
     for k, v in rows:
@@ -372,9 +408,48 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
         console.print(f"rows:   {res.out_dir / 'compare.json'}")
 
 
+@main.command(short_help="Start JupyterLab on the course's chapter notebooks (labs/).")
+@click.option(
+    "--labs-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="folder of the notebooks (default: labs/ of this checkout, else the current folder)",
+)
+@click.option("--port", default=8888, show_default=True, type=int)
+@click.option("--no-browser", is_flag=True, help="do not open a browser")
+@click.argument("jupyter_args", nargs=-1, type=click.UNPROCESSED)
+def lab(labs_dir, port, no_browser, jupyter_args):
+    """Start JupyterLab on labs/ (needs the lab extra: pip install 'workbench[lab]').
+
+    Extra arguments go to JupyterLab, e.g. ``workbench lab -- --ip=0.0.0.0``.
+    """
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    if importlib.util.find_spec("jupyterlab") is None:
+        raise click.ClickException("JupyterLab is not installed: pip install 'workbench[lab]'")
+    if labs_dir is None:
+        here = Path(__file__).resolve().parents[1] / "labs"
+        labs_dir = here if here.is_dir() else Path.cwd()
+    labs_dir = Path(labs_dir)
+    if not labs_dir.is_dir():
+        raise click.ClickException(f"--labs-dir {labs_dir} is not a folder")
+    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={labs_dir}", f"--port={port}"]
+    if no_browser:
+        cmd.append("--no-browser")
+    cmd += list(jupyter_args)
+    click.echo(f"JupyterLab on {labs_dir} (Ctrl-C to stop)")
+    sys.exit(subprocess.call(cmd))
+
+
 from workbench.kvcalc import kv_calc_command  # noqa: E402  (`workbench kv-calc`; its options live there)
 
 main.add_command(kv_calc_command)
+
+from workbench.sim.cli import simulate_command  # noqa: E402  (`workbench simulate`; its options live there)
+
+main.add_command(simulate_command)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ def run_job(
     llm: LLM | None = None,
     expected_output_lens: list[int] | None = None,
     run_name: str | None = None,
+    records: list[PromptRecord] | None = None,
+    sinks: list | None = None,
     **engine_args,
 ) -> JobResult:
     """Run a prompt set through the engine and write the run folder.
@@ -76,6 +78,8 @@ def run_job(
             every record has one; otherwise a ``kv_allocator="paged"`` run of the same prompts
             measures them first (its outputs are the model's own, so the oracle is exact).
         run_name: the run folder's name under ``output_dir`` (default: a timestamp).
+        records: the prompts themselves, instead of ``dataset`` (``num_prompts`` still applies).
+        sinks: more recorder sinks (e.g. a :class:`~workbench.viz.live.LiveMonitor`'s ``sink``).
         **engine_args: :class:`~workbench.config.EngineConfig` fields.
 
     Raises:
@@ -86,7 +90,12 @@ def run_job(
 
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts} must be >= 1")
-    records = load_prompts(dataset, num_prompts) if dataset else default_prompts()[:num_prompts]
+    if records is not None:
+        if dataset is not None:
+            raise ValueError("give either dataset or records, not both")
+        records = list(records)[:num_prompts]
+    else:
+        records = load_prompts(dataset, num_prompts) if dataset else default_prompts()[:num_prompts]
     if not records:
         raise ValueError(f"dataset {dataset} has no prompts")
     # sampling parameters are checked before the model loads
@@ -115,6 +124,7 @@ def run_job(
             base = {k: v for k, v in engine_args.items() if k not in ("kv_allocator", "batching_policy")}
             pre = run_job(
                 dataset=dataset,
+                records=records,
                 num_prompts=num_prompts,
                 max_tokens=max_tokens,
                 temperature=temperature,
@@ -127,7 +137,7 @@ def run_job(
             )
             expected_output_lens = [max(1, len(o.outputs[0].token_ids)) for o in pre.outputs]
     run_dir = None
-    sinks = []
+    sinks = list(sinks or [])
     if output_dir is not None:
         run_dir = Path(output_dir) / (run_name or datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
         sinks.append(JsonlSink(run_dir))

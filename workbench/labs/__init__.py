@@ -1,0 +1,56 @@
+"""The course labs' library: what the chapter notebooks in ``labs/`` call.
+
+- :mod:`workbench.labs.runs` — real engine runs on a seeded trace, deterministic summaries;
+- :mod:`workbench.labs.panel` — :class:`RunPanel`, widgets named like the engine arguments with a
+  Run button and a live plot (``workbench[lab]``);
+- :mod:`workbench.labs.exercises` — self-checking exercises (:func:`check`), solutions verified;
+- :mod:`workbench.labs.chapters` — each chapter's measurements and figures.
+"""
+
+from workbench.labs.exercises import EXERCISES, check, solution
+from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, format_table, lab_run, lab_trace, run_summary
+
+__all__ = [
+    "EXERCISES",
+    "LAB_ENGINE_DEFAULTS",
+    "RunPanel",
+    "breakdown_rows",
+    "check",
+    "format_table",
+    "lab_run",
+    "lab_trace",
+    "run_summary",
+    "solution",
+]
+
+
+def __getattr__(name):  # the panel imports ipywidgets: only when asked for
+    if name == "RunPanel":
+        from workbench.labs.panel import RunPanel
+
+        return RunPanel
+    raise AttributeError(name)
+
+
+def setup(quiet: bool = True) -> None:
+    """Prepare a notebook: plotly renders in JupyterLab and in nbconvert/nbval, the engine's and
+    transformers' logs stay quiet (``quiet``), and the bundled model is converted once so that
+    the chapter's first run does not pay for it."""
+    import logging
+
+    import plotly.io as pio
+
+    pio.renderers.default = "plotly_mimetype"  # JupyterLab draws it; no CDN, no iframe
+    if quiet:
+        logging.getLogger("workbench").setLevel(logging.WARNING)
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+        except ImportError:
+            pass
+    from workbench.config import EngineConfig
+    from workbench.model.loader import load_model
+
+    cfg = EngineConfig()
+    load_model(cfg.model, cfg.resolved_cache_dir, cfg.tokenizer)

@@ -1,0 +1,222 @@
+"""A control panel for the chapter notebooks: widgets named like the engine arguments, a Run button
+that starts a real engine run, and a live plot of the KV pool while it runs.
+
+``RunPanel.run()`` is the same run without a click, so CI and nbval exercise exactly what the
+button does. ipywidgets and anywidget are imported when a panel is built (``workbench[lab]``).
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from workbench.labs.runs import LAB_ENGINE_DEFAULTS, format_table, lab_run, lab_trace, run_summary
+
+__all__ = ["RunPanel", "CONTROLS"]
+
+
+def _control(name: str, value: Any, widgets) -> Any:
+    """The widget of one engine argument (or trace parameter); its ``description`` is the argument's name."""
+    from workbench.kv.contiguous import KV_ALLOCATORS
+    from workbench.scheduler import BATCHING_POLICIES
+
+    style = {"description_width": "initial"}
+    d = dict(description=name, style=style)
+    if name == "kv_allocator":
+        return widgets.Dropdown(options=list(KV_ALLOCATORS), value=value, **d)
+    if name == "batching_policy":
+        return widgets.Dropdown(options=list(BATCHING_POLICIES), value=value, **d)
+    if name == "preemption_mode":
+        return widgets.Dropdown(options=["recompute", "swap"], value=value, **d)
+    if name == "block_size":
+        return widgets.Dropdown(options=[8, 16, 32, 64], value=value, **d)
+    if name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        return widgets.Checkbox(value=bool(value), **d)
+    if name == "gpu_memory_utilization":
+        return widgets.FloatSlider(min=0.05, max=1.0, step=0.05, value=value, **d)
+    limits = {
+        "max_num_seqs": (1, 64, 1),
+        "max_num_batched_tokens": (64, 4096, 64),
+        "num_gpu_blocks_override": (8, 1024, 8),
+        "num_requests": (1, 64, 1),
+        "mean_output": (2, 256, 2),
+        "max_output": (2, 512, 2),
+    }
+    if name in limits:
+        lo, hi, step = limits[name]
+        return widgets.IntSlider(min=lo, max=max(hi, int(value)), step=step, value=int(value), **d)
+    raise ValueError(f"no widget for {name!r}; known controls: {', '.join(CONTROLS)}")
+
+
+#: the arguments a panel can show (engine arguments, then the trace's)
+CONTROLS = (
+    "kv_allocator",
+    "batching_policy",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_gpu_blocks_override",
+    "gpu_memory_utilization",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "preemption_mode",
+    "num_requests",
+    "mean_output",
+    "max_output",
+)
+_TRACE_ARGS = ("num_requests", "mean_output", "max_output")
+
+
+class RunPanel:
+    """Widgets + Run button + live KV-pool plot, over real engine runs.
+
+    Args:
+        controls: which arguments get a widget (names from :data:`CONTROLS`); others keep their
+            value from ``defaults``.
+        records: a fixed request list; ``None`` builds :func:`~workbench.labs.runs.lab_trace` from
+            the trace controls (``num_requests``, ``mean_output``, ``max_output``).
+        live: follow each run with a :class:`~workbench.viz.live.LiveMonitor` (a plotly
+            ``FigureWidget`` redrawn at most every ``refresh_s`` seconds, and the block map).
+        on_result: called with ``(values, result)`` after each successful run.
+        **defaults: starting values (engine arguments over
+            :data:`~workbench.labs.runs.LAB_ENGINE_DEFAULTS`; trace arguments).
+
+    Attributes:
+        widget: the ``ipywidgets.VBox`` to display (or display the panel itself).
+        result: the latest :class:`~workbench.bench.run.JobResult`, or ``None``.
+        history: ``[(values, run_summary)]`` of every run, in order.
+        error: the message of the latest failed run (bad arguments), or ``None``.
+
+    Raises:
+        ImportError: ipywidgets / anywidget missing (``pip install 'workbench[lab]'``).
+        ValueError: an unknown control.
+    """
+
+    def __init__(
+        self,
+        controls: Sequence[str] = ("kv_allocator", "block_size", "max_num_seqs", "num_gpu_blocks_override"),
+        *,
+        records=None,
+        live: bool = True,
+        refresh_s: float = 0.25,
+        on_result: Callable[[dict, Any], None] | None = None,
+        **defaults: Any,
+    ) -> None:
+        from workbench.viz.live import _require_widgets
+
+        widgets = _require_widgets()
+        self._widgets_mod = widgets
+        self.values: dict[str, Any] = (
+            LAB_ENGINE_DEFAULTS
+            | {"kv_allocator": "paged", "num_gpu_blocks_override": 48}
+            | {"num_requests": 10, "mean_output": 16, "max_output": 48}
+            | defaults
+        )
+        for c in controls:
+            if c not in CONTROLS:
+                raise ValueError(f"no widget for {c!r}; known controls: {', '.join(CONTROLS)}")
+        self.controls = {c: _control(c, self.values.get(c), widgets) for c in controls}
+        self.records = records
+        self.live = live
+        self.refresh_s = refresh_s
+        self.on_result = on_result
+        self.result = None
+        self.history: list[tuple[dict, dict]] = []
+        self.error: str | None = None
+        self.monitor = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+        self.button = widgets.Button(description="Run", button_style="primary", icon="play")
+        self.button.on_click(lambda _b: self._start_thread())
+        self.status = widgets.HTML(value="<code>ready: press Run</code>")
+        self.plot_box = widgets.VBox([])
+        grid = widgets.GridBox(
+            list(self.controls.values()), layout=widgets.Layout(grid_template_columns="repeat(2, 50%)")
+        )
+        self.widget = widgets.VBox([grid, widgets.HBox([self.button, self.status]), self.plot_box])
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # ------------------------------------------------------------------ runs
+    def current_values(self) -> dict[str, Any]:
+        """The values the next run uses: the widgets' over the defaults."""
+        return self.values | {k: w.value for k, w in self.controls.items()}
+
+    def run(self, **overrides: Any):
+        """Run once with the widgets' values (and ``overrides``, which also move the widgets).
+
+        The same code path as the Run button, in the calling thread.
+
+        Returns:
+            The :class:`~workbench.bench.run.JobResult`.
+
+        Raises:
+            ValueError: bad arguments (also shown in the panel's status line).
+        """
+        for k, v in overrides.items():
+            if k in self.controls:
+                self.controls[k].value = v
+            else:
+                self.values[k] = v
+        with self._lock:
+            return self._run(self.current_values())
+
+    def _start_thread(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(target=self._clicked, daemon=True)
+        self._thread.start()
+
+    def _clicked(self) -> None:
+        try:
+            with self._lock:
+                self._run(self.current_values())
+        except Exception:  # shown in the status line; the kernel stays usable
+            pass
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for a run started by the button to end."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self, values: dict[str, Any]):
+        engine_args = {k: v for k, v in values.items() if k not in _TRACE_ARGS}
+        records = self.records
+        if records is None:
+            records = lab_trace(
+                values["num_requests"], mean_output=values["mean_output"], max_output=values["max_output"]
+            )
+        sinks = []
+        if self.live:
+            from workbench.viz.live import LiveMonitor
+
+            self.monitor = LiveMonitor(None, refresh_s=self.refresh_s, block_map=True, unit="tokens")
+            self.plot_box.children = [self.monitor.widget]
+            sinks.append(self.monitor.sink)
+            engine_args.setdefault("block_map_every", 4)
+        self.button.disabled = True
+        self.status.value = "<code>running…</code>"
+        try:
+            res = lab_run(records, sinks=sinks, **engine_args)
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
+            raise
+        finally:
+            self.button.disabled = False
+            if self.monitor is not None:
+                self.monitor.close()
+        self.error = None
+        self.result = res
+        summ = run_summary(res)
+        self.history.append((values, summ))
+        self.status.value = (
+            "<pre>" + html.escape(format_table([{"run": values.get("kv_allocator", "run")} | summ])) + "</pre>"
+        )
+        if self.on_result is not None:
+            self.on_result(values, res)
+        return res

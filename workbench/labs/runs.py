@@ -1,0 +1,191 @@
+"""Real engine runs for the chapter notebooks: a seeded trace, one call per run, readable summaries.
+
+Every run here is a real :func:`~workbench.bench.run.run_job` of the engine (the bundled
+SmolLM2-135M-Instruct in float32 by default, or any model folder given as ``model=``); nothing is
+pre-recorded. The lab trace fixes each request's output length (``ignore_eos`` with a per-request
+``max_tokens``), so the memory figures a chapter prints depend on the engine's decisions alone, not
+on which token the model picks — the stored notebook outputs that nbval compares are then the same
+on every machine.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from workbench.bench.datasets import PromptRecord, default_prompts
+from workbench.bench.run import JobResult, run_job
+
+__all__ = [
+    "LAB_ENGINE_DEFAULTS",
+    "lab_trace",
+    "lab_run",
+    "run_summary",
+    "breakdown_rows",
+    "format_table",
+]
+
+#: engine arguments every lab run starts from (a learner's panel or call overrides them)
+LAB_ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32",
+    "seed": 0,
+    "max_model_len": 256,
+    "block_size": 16,
+    "max_num_seqs": 16,
+}
+
+#: output-length means (tokens) of the vLLM paper's traces (Kwon et al., SOSP 2023, Fig. 11)
+TRACE_OUTPUT_MEANS = {"sharegpt": 337.99, "alpaca": 58.45}
+
+
+def lab_trace(
+    num_requests: int = 10,
+    *,
+    mean_output: float = 16.0,
+    max_output: int = 48,
+    min_output: int = 2,
+    seed: int = 0,
+    max_prompt_chars: int = 600,
+) -> list[PromptRecord]:
+    """Real prompts (the project's own set) with a seeded, long-tailed output length each.
+
+    Output lengths follow an exponential distribution of mean ``mean_output`` tokens, clipped to
+    ``[min_output, max_output]`` — the long tail that makes reserving for the maximum wasteful
+    (ShareGPT's outputs are long-tailed; vLLM paper Fig. 11). Each record's ``max_tokens`` and
+    ``output_len`` are that length, and :func:`lab_run` ignores EOS, so every request produces
+    exactly that many tokens and the oracle allocators know it.
+
+    Args:
+        num_requests: how many records (prompts are taken in file order, skipping those longer
+            than ``max_prompt_chars`` characters so that CPU runs stay short).
+        mean_output, max_output, min_output: output lengths, tokens.
+        seed: the random seed (same seed, same trace).
+
+    Raises:
+        ValueError: a non-positive count or inconsistent bounds.
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests={num_requests} must be >= 1")
+    if not (1 <= min_output <= max_output):
+        raise ValueError(f"need 1 <= min_output ({min_output}) <= max_output ({max_output})")
+    if mean_output <= 0:
+        raise ValueError(f"mean_output={mean_output} must be > 0 tokens")
+    pool = [r for r in default_prompts() if isinstance(r.prompt, str) and len(r.prompt) <= max_prompt_chars]
+    rng = random.Random(seed)
+    out = []
+    for i in range(num_requests):
+        rec = pool[i % len(pool)]
+        n = int(round(rng.expovariate(1.0 / mean_output)))
+        n = max(min_output, min(max_output, n))
+        out.append(replace(rec, id=f"{rec.id}-{i}", max_tokens=n, output_len=n))
+    return out
+
+
+def lab_run(
+    records: Sequence[PromptRecord] | None = None,
+    *,
+    sinks: Iterable | None = None,
+    output_dir: str | None = None,
+    ignore_eos: bool = True,
+    **engine_args: Any,
+) -> JobResult:
+    """One real engine run of ``records`` (default: :func:`lab_trace`) with the lab defaults.
+
+    Args:
+        records: the requests; each record's ``max_tokens`` caps its output.
+        sinks: extra recorder sinks, e.g. a ``LiveMonitor``'s ``sink`` for a live plot.
+        output_dir: write a run folder (report, ``steps.jsonl``) under it; ``None`` writes nothing.
+        ignore_eos: generate exactly ``max_tokens`` per request (default), so that memory figures do
+            not depend on the sampled tokens.
+        **engine_args: :class:`~workbench.config.EngineConfig` fields over :data:`LAB_ENGINE_DEFAULTS`.
+
+    Returns:
+        The :class:`~workbench.bench.run.JobResult` (outputs, recorder with every ``StepStats``,
+        summary, memory budget).
+
+    Raises:
+        ValueError: bad engine arguments (named, before the model loads).
+    """
+    records = list(records) if records is not None else lab_trace()
+    args = LAB_ENGINE_DEFAULTS | engine_args
+    return run_job(
+        records=records,
+        num_prompts=None,
+        ignore_eos=ignore_eos,
+        output_dir=output_dir,
+        progress=False,
+        sinks=list(sinks or []),
+        expected_output_lens=[r.output_len or r.max_tokens for r in records] if ignore_eos else None,
+        **args,
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def run_summary(res: JobResult) -> dict[str, Any]:
+    """The deterministic figures of a run (no timings): counts, pool, the waste split, batch size.
+
+    Shares are of *used* memory (pool − free), each step weighted by its occupancy — the vLLM
+    paper's Fig. 2 measure (:func:`workbench.metrics.waste_breakdown`); ``token_states_pool`` is
+    the share of the whole pool.
+    """
+    from workbench.metrics.waste import waste_breakdown
+
+    steps = [s.to_dict() for s in res.recorder.steps]
+    wb = waste_breakdown(steps)
+    running = [s["num_running"] for s in steps]
+    return {
+        "requests": res.summary["requests_total"],
+        "finished": res.summary["requests_finished"],
+        "prompt_tokens": res.summary["prompt_tokens_total"],
+        "output_tokens": res.summary["output_tokens_total"],
+        "steps": len(steps),
+        "pool_blocks": res.memory["num_blocks"],
+        "block_size": steps[0]["block_size"] if steps else None,
+        "peak_blocks_used": max((s["blocks_used"] for s in steps), default=0),
+        "mean_running": sum(running) / len(running) if running else 0.0,
+        "preemptions": sum(s["num_preemptions"] for s in steps),
+        "token_states": wb["used_share"]["token_states"],
+        "reservation": wb["used_share"]["reservation"],
+        "internal_fragmentation": wb["used_share"]["internal_fragmentation"],
+        "external_fragmentation": wb["used_share"]["external_fragmentation"],
+        "token_states_pool": wb["pool_share"]["token_states"],
+    }
+
+
+_COLUMNS = (
+    ("steps", "steps", str),
+    ("mean_running", "mean batch", lambda v: f"{v:.2f}"),
+    ("peak_blocks_used", "peak blocks", str),
+    ("preemptions", "preempted", str),
+    ("token_states", "token states", _pct),
+    ("reservation", "reservation", _pct),
+    ("internal_fragmentation", "internal frag.", _pct),
+    ("external_fragmentation", "external frag.", _pct),
+)
+
+
+def breakdown_rows(results: dict[str, JobResult]) -> list[dict[str, Any]]:
+    """:func:`run_summary` of each named run, with its name under ``"run"``."""
+    return [{"run": name} | run_summary(r) for name, r in results.items()]
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns=_COLUMNS, first: str = "run") -> str:
+    """A plain-text table (fixed-width, deterministic) of summary rows; shares of used memory."""
+    head = [first] + [c[1] for c in columns]
+    body = [[str(r[first])] + [fmt(r[k]) for k, _, fmt in columns] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
+    for row in body:
+        lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks a paged sequence of ``tokens`` tokens holds: ``ceil(tokens / block_size)``."""
+    return math.ceil(tokens / block_size)
