@@ -256,3 +256,40 @@ def test_workbench_lab_command(tmp_path, monkeypatch):
         cmd[1:3] == ["-m", "jupyterlab"] and "--no-browser" in cmd and "--port=9999" in cmd and "--ip=127.0.0.1" in cmd
     )
     assert any(c.startswith("--ServerApp.root_dir=") and c.endswith("labs") for c in cmd)
+
+
+def test_learner_function_mistakes_get_clear_verdicts(capsys):
+    def raises(block_table, block_size, position):
+        raise NotImplementedError("todo")
+
+    def no_return(block_table, block_size, position):
+        block_table[position // block_size] * block_size + position % block_size  # noqa: B018
+
+    assert not labs.check("4.1", raises, batch=BATCH)
+    assert "raised NotImplementedError: todo" in capsys.readouterr().out
+    assert not labs.check("4.1", no_return, batch=BATCH)
+    assert "returned None" in capsys.readouterr().out
+    assert not labs.check("1.1", 819_200.4)
+
+
+def test_missing_or_misspelled_context_is_named():
+    with pytest.raises(TypeError, match=r"exercise 5.1 takes lengths=.*missing: lengths"):
+        labs.check("5.1", 0.5)
+    with pytest.raises(TypeError, match="unexpected: lenghts"):
+        labs.check("5.1", 0.5, lenghts=[1, 2])
+
+
+def test_panel_uses_values_as_given_and_names_bad_ones(tiny_model):
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("anywidget")
+    records = [r.__class__(list(range(3, 20)), False, r.id, 4, 4) for r in labs.lab_trace(2)]
+    panel = labs.RunPanel(records=records, live=False, model=str(tiny_model), max_model_len=128)
+    with pytest.raises(ValueError, match="1 blocks"):  # not clamped to the slider's minimum of 8
+        panel.run(num_gpu_blocks_override=1)
+    assert panel.controls["num_gpu_blocks_override"].value == 48  # the widget kept a value it can show
+    with pytest.raises(ValueError, match="block_size=12"):
+        panel.run(block_size=12)
+    assert "block_size=12" in panel.error and "block_size=12" in panel.status.value
+    with pytest.raises(ValueError, match="kv_allocator"):
+        panel.run(kv_allocator="nope")
+    assert panel.run(num_gpu_blocks_override=16) is panel.result

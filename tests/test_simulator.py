@@ -320,3 +320,30 @@ def test_simulate_cli_writes_the_run_folder(tmp_path):
     assert sum(w["arrived"] for w in tl) == len(reqs)
     bad = CliRunner().invoke(main, ["simulate", "--model", "llama-2-70b", "-tp", "3", "--no-progress"])
     assert bad.exit_code != 0 and "tensor_parallel_size=3" in bad.output
+
+
+def test_timeline_divides_each_window_by_the_time_it_covers():
+    from workbench.sim.run import timeline
+
+    reqs = [
+        {
+            "arrival_time_s": 0.0,
+            "finish_time_s": 10.0,
+            "ttft_s": 0.5,
+            "queue_time_s": 0.1,
+            "num_preemptions": 0,
+            "output_tokens": 100,
+        },
+        {
+            "arrival_time_s": 70.0,
+            "finish_time_s": 90.0,
+            "ttft_s": 0.5,
+            "queue_time_s": 0.1,
+            "num_preemptions": 0,
+            "output_tokens": 50,
+        },
+    ]
+    rows = timeline(reqs, window_s=60.0, end_s=90.0)
+    assert [r["t_end_s"] for r in rows] == [60.0, 90.0]
+    assert rows[0]["output_tok_s"] == 100 / 60 and rows[1]["output_tok_s"] == 50 / 30  # the last window is 30 s long
+    assert rows[1]["finished_req_s"] == 1 / 30

@@ -7,6 +7,7 @@ workbench run --dataset ../shared/data/sharegpt/ShareGPT_V3_filtered_500.json --
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 
@@ -201,7 +202,9 @@ def engine_options(f=None, *, exclude: tuple[str, ...] = ()):
             type=float,
             help="seconds a collective waits for the other ranks before the engine fails",
         ),
-        click.option("--nccl-buffsize", default=None, type=int, help="NCCL_BUFFSIZE for every rank (bytes; NCCL: 4 MiB)"),
+        click.option(
+            "--nccl-buffsize", default=None, type=int, help="NCCL_BUFFSIZE for every rank (bytes; NCCL: 4 MiB)"
+        ),
         click.option("--nccl-min-nchannels", default=None, type=int, help="NCCL_MIN_NCHANNELS for every rank"),
         click.option("--nccl-max-nchannels", default=None, type=int, help="NCCL_MAX_NCHANNELS for every rank"),
         click.option("--nccl-proto", default=None, help="NCCL_PROTO for every rank, e.g. Simple or ^LL128"),
@@ -384,7 +387,17 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
     t = Table(title="workbench compare: where the KV pool went (share of occupied memory)")
-    for c in ("variant", "token states", "reservation", "internal", "external", "batched", "tok/s", "TTFT p50", "refused"):
+    for c in (
+        "variant",
+        "token states",
+        "reservation",
+        "internal",
+        "external",
+        "batched",
+        "tok/s",
+        "TTFT p50",
+        "refused",
+    ):
         t.add_column(c, justify="left" if c == "variant" else "right", no_wrap=True)
     for r in res.rows:
         t.add_row(
@@ -419,16 +432,17 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
 @click.option("--no-browser", is_flag=True, help="do not open a browser")
 @click.argument("jupyter_args", nargs=-1, type=click.UNPROCESSED)
 def lab(labs_dir, port, no_browser, jupyter_args):
-    """Start JupyterLab on labs/ (needs the lab extra: pip install 'workbench[lab]').
+    """Start JupyterLab on labs/ (needs the lab and triton extras: pip install -e '.[lab,triton]').
 
-    Extra arguments go to JupyterLab, e.g. ``workbench lab -- --ip=0.0.0.0``.
+    Extra arguments go to JupyterLab, e.g. workbench lab -- --ip=0.0.0.0
+    (run as root, --allow-root is added).
     """
     import importlib.util
     import subprocess
     from pathlib import Path
 
     if importlib.util.find_spec("jupyterlab") is None:
-        raise click.ClickException("JupyterLab is not installed: pip install 'workbench[lab]'")
+        raise click.ClickException("JupyterLab is not installed: pip install -e '.[lab,triton]'")
     if labs_dir is None:
         here = Path(__file__).resolve().parents[1] / "labs"
         labs_dir = here if here.is_dir() else Path.cwd()
@@ -438,6 +452,8 @@ def lab(labs_dir, port, no_browser, jupyter_args):
     cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={labs_dir}", f"--port={port}"]
     if no_browser:
         cmd.append("--no-browser")
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in jupyter_args:
+        cmd.append("--allow-root")  # JupyterLab refuses to start as root without it (containers)
     cmd += list(jupyter_args)
     click.echo(f"JupyterLab on {labs_dir} (Ctrl-C to stop)")
     sys.exit(subprocess.call(cmd))

@@ -95,28 +95,26 @@ def check(exercise_id: str, answer: Any = ..., **context: Any) -> Verdict:
     Raises:
         ExerciseBroken: the exercise's own solution fails for this context.
         KeyError: an unknown exercise id.
+        TypeError: missing or unexpected context (the message names what the exercise takes).
     """
     ex = _get(exercise_id)
+    _check_context(ex, context)
     ref = ex.solution(**context)
     ok, why = ex.judge(ref, **context)
     if not ok:
         raise ExerciseBroken(f"exercise {exercise_id}: the reference solution fails its own check ({why})")
-    if answer is ... and solutions_mode():
-        answer = ref
+    if answer is ... or _is_stub(answer):  # `...`, or a function whose body is still `...`
+        if not solutions_mode():
+            return _unanswered(ex)
         print(f"[{exercise_id}] solutions mode: checking the reference solution")
-    if answer is ...:
-        return _unanswered(ex)
+        answer = ref
     probe = _Returns(answer) if callable(answer) else None
     try:
         ok, why = ex.judge(probe or answer, **context)
     except Exception as e:  # a learner's function that raises is a wrong answer, not a crash
         ok, why = False, f"your answer raised {type(e).__name__}: {e}"
-    if not ok and probe is not None and not probe.returned_value:
-        if solutions_mode():
-            print(f"[{exercise_id}] solutions mode: checking the reference solution")
-            ok, why = ex.judge(ref, **context)
-        else:
-            return _unanswered(ex)  # a function whose body is still `...` returns None
+    if not ok and probe is not None and probe.returned_none and not probe.returned_value:
+        why = "your function returned None — is a `return` missing?"
     print(f"[{exercise_id}] {'correct' if ok else 'not yet'}: {why}")
     return Verdict(ok)
 
@@ -143,17 +141,45 @@ def _unanswered(ex: Exercise) -> Verdict:
 
 
 class _Returns:
-    """Wraps a learner's function: did it ever return something other than ``None``?"""
+    """Wraps a learner's function: did it return ``None``, or something else?"""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
         self.returned_value = False
+        self.returned_none = False
 
     def __call__(self, *args, **kwargs):
         out = self.fn(*args, **kwargs)
-        if out is not None:
+        if out is None:
+            self.returned_none = True
+        else:
             self.returned_value = True
         return out
+
+
+def _stub():  # the body a notebook's exercise cell starts with
+    ...
+
+
+def _is_stub(answer: Any) -> bool:
+    """True for a function whose body is only ``...`` (or ``pass``): not answered yet."""
+    code = getattr(answer, "__code__", None)
+    return code is not None and code.co_code == _stub.__code__.co_code and code.co_consts[:1] in ((None,), ())
+
+
+def _check_context(ex: Exercise, context: dict) -> None:
+    import inspect
+
+    params = inspect.signature(ex.solution).parameters
+    missing = [n for n in params if n not in context]
+    unknown = [n for n in context if n not in params]
+    if missing or unknown:
+        need = ", ".join(f"{n}=..." for n in params) or "no context"
+        raise TypeError(
+            f"exercise {ex.id} takes {need} (as in the chapter's cell)"
+            + (f"; missing: {', '.join(missing)}" if missing else "")
+            + (f"; unexpected: {', '.join(unknown)}" if unknown else "")
+        )
 
 
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -184,7 +210,7 @@ class _KVBytes13B:
         x = _number(answer)
         if x is None:
             return False, f"give a number of bytes, got {answer!r}"
-        if _close(x, ref):
+        if x == ref:
             return True, f"{ref:,} B = {ref / 1024:,.0f} KiB per token — about 20x the '40 KB' claim"
         if _close(x, ref / 1024) or _close(x, ref / 1000):
             return False, "that is the figure in KiB/KB; the question asks for bytes"
@@ -450,7 +476,8 @@ def padded_slots(lengths: list[int], group_size: int | None = None) -> int:
     "5.1",
     "For the 16 sequence lengths of this chapter, what fraction of the static batch's padded KV memory does "
     "grouping into batches of 4 by length save? (a fraction between 0 and 1)",
-    "1 - padded_slots(lengths, 4) / padded_slots(lengths).",
+    "a padded batch holds len(batch) x its longest length; sort the lengths, cut them into groups of 4, and "
+    "compare the two totals.",
 )
 class _GroupSaving:
     @staticmethod
@@ -467,7 +494,9 @@ class _GroupSaving:
             return True, f"grouping saves {100 * ref:.1f}% of the padded memory (the claim: 58%)"
         if _close(x, 100 * ref, 1e-3):
             return False, "that is a percentage; give a fraction between 0 and 1"
-        return False, f"{x:.3f} is not it"
+        if _close(x, 0.58, 1e-3):
+            return False, "0.58 is the claim; compute the saving for these lengths"
+        return False, f"{x:.4g} is not it"
 
 
 # ---------------------------------------------------------------- chapter 6: sharing and preemption

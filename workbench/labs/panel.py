@@ -69,6 +69,17 @@ CONTROLS = (
 _TRACE_ARGS = ("num_requests", "mean_output", "max_output")
 
 
+def _accepts(widget, value) -> bool:
+    """Whether a widget can show ``value`` without clamping or refusing it."""
+    options = getattr(widget, "options", None)
+    if options is not None:
+        return value in options
+    lo, hi = getattr(widget, "min", None), getattr(widget, "max", None)
+    if lo is not None and hi is not None:
+        return isinstance(value, int | float) and not isinstance(value, bool) and lo <= value <= hi
+    return isinstance(value, type(widget.value))
+
+
 class RunPanel:
     """Widgets + Run button + live KV-pool plot, over real engine runs.
 
@@ -154,16 +165,20 @@ class RunPanel:
         Returns:
             The :class:`~workbench.bench.run.JobResult`.
 
+        Values are used as given, also outside a slider's range or a dropdown's options (the engine
+        then validates them, as it would from Python); the widgets move to the values they can show.
+
         Raises:
             ValueError: bad arguments (also shown in the panel's status line).
         """
+        values = self.current_values() | overrides  # as given: a widget's range never clamps them
         for k, v in overrides.items():
-            if k in self.controls:
-                self.controls[k].value = v
-            else:
+            if k in self.controls and _accepts(self.controls[k], v):
+                self.controls[k].value = v  # the widgets show what ran
+            elif k not in self.controls:
                 self.values[k] = v
         with self._lock:
-            return self._run(self.current_values())
+            return self._run(values)
 
     def _start_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():

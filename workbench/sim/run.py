@@ -44,9 +44,9 @@ class SimResult:
 def timeline(requests: list[dict], window_s: float, end_s: float | None = None) -> list[dict]:
     """TTFT and throughput per window of simulated time.
 
-    Each row: ``t_start_s``, ``arrived`` and ``finished`` requests in the window,
-    ``finished_req_s`` (finished / window), ``output_tok_s`` (output tokens of the requests
-    finished in it / window), ``ttft_p50_s`` / ``ttft_p99_s`` / ``queue_p50_s`` of the requests
+    Each row: ``t_start_s`` and ``t_end_s`` (the last window ends at ``end_s``), ``arrived`` and
+    ``finished`` requests in the window, ``finished_req_s`` (finished / the window's length),
+    ``output_tok_s`` (output tokens of the requests finished in it / the window's length), ``ttft_p50_s`` / ``ttft_p99_s`` / ``queue_p50_s`` of the requests
     that *arrived* in it (``None`` when none), ``preempted`` (requests arrived in it that were
     preempted at least once).
 
@@ -78,13 +78,16 @@ def timeline(requests: list[dict], window_s: float, end_s: float | None = None) 
     out = []
     for row in rows:
         t, q = row.pop("ttft"), row.pop("queue")
+        t_end = min(row["t_start_s"] + window_s, max(end_s, row["t_start_s"]))
+        length = t_end - row["t_start_s"] or window_s  # a zero-length run: divide by the window
         out.append(
             {
                 "t_start_s": row["t_start_s"],
+                "t_end_s": t_end,
                 "arrived": row["arrived"],
                 "finished": row["finished"],
-                "finished_req_s": row["finished"] / window_s,
-                "output_tok_s": row["output_tokens"] / window_s,
+                "finished_req_s": row["finished"] / length,
+                "output_tok_s": row["output_tokens"] / length,
                 "ttft_p50_s": float(np.percentile(t, 50)) if t else None,
                 "ttft_p99_s": float(np.percentile(t, 99)) if t else None,
                 "queue_p50_s": float(np.percentile(q, 50)) if q else None,
