@@ -62,6 +62,33 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
+def resolve_lengths(config: EngineConfig, model_max: int, whose: str) -> tuple[int, int]:
+    """``(max_model_len, max_num_batched_tokens)`` in tokens, with vLLM's defaults: the model's
+    ``max_position_embeddings`` (at most ``DEFAULT_MAX_MODEL_LEN``), and a token budget of
+    ``max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)`` with chunked prefill, else
+    ``max(max_model_len, max_num_seqs)``.
+
+    Raises:
+        ValueError: ``max_model_len`` beyond ``model_max`` (``whose`` names the model in the message).
+    """
+    if config.max_model_len is None:
+        max_model_len = min(model_max, EngineConfig.DEFAULT_MAX_MODEL_LEN)
+    elif config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds {whose} max_position_embeddings={model_max}; "
+            f"use max_model_len <= {model_max}"
+        )
+    else:
+        max_model_len = config.max_model_len
+    if config.max_num_batched_tokens is not None:
+        budget = config.max_num_batched_tokens
+    elif config.enable_chunked_prefill:
+        budget = max(EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+    else:
+        budget = max(max_model_len, config.max_num_seqs)
+    return max_model_len, budget
+
+
 class LLMEngine:
     """The serving engine: a scheduler, a KV-cache manager and a model executor.
 
@@ -90,21 +117,7 @@ class LLMEngine:
         cfg = self.hf_config
 
         model_max = getattr(cfg, "max_position_embeddings", None) or EngineConfig.DEFAULT_MAX_MODEL_LEN
-        if config.max_model_len is None:
-            self.max_model_len = min(model_max, EngineConfig.DEFAULT_MAX_MODEL_LEN)
-        elif config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max}; "
-                f"use max_model_len <= {model_max}"
-            )
-        else:
-            self.max_model_len = config.max_model_len
-        if config.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = config.max_num_batched_tokens
-        elif config.enable_chunked_prefill:
-            self.max_num_batched_tokens = max(EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
-        else:
-            self.max_num_batched_tokens = max(self.max_model_len, config.max_num_seqs)
+        self.max_model_len, self.max_num_batched_tokens = resolve_lengths(config, model_max, "the model's")
 
         #: tensor parallelism: worker processes, each with a shard (workbench.executor.tensor_parallel)
         self._tp = None

@@ -27,7 +27,7 @@ import torch
 
 from workbench.catalog import ModelArch
 from workbench.config import EngineConfig, GiB
-from workbench.engine import LLMEngine
+from workbench.engine import LLMEngine, resolve_lengths
 from workbench.kv.contiguous import ContiguousKVCacheManager
 from workbench.kv.manager import KVCacheManager
 from workbench.memory import activation_peak_bytes, plan_memory
@@ -225,21 +225,7 @@ class SimEngine(LLMEngine):
         self.device = torch.device("cpu")
         self._tp = None  # no worker processes: the tensor-parallel group is simulated
         model_max = arch.max_position_embeddings or EngineConfig.DEFAULT_MAX_MODEL_LEN
-        if config.max_model_len is None:
-            self.max_model_len = min(model_max, EngineConfig.DEFAULT_MAX_MODEL_LEN)
-        elif config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds {arch.name}'s max_position_embeddings={model_max}; "
-                f"use max_model_len <= {model_max}"
-            )
-        else:
-            self.max_model_len = config.max_model_len
-        if config.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = config.max_num_batched_tokens
-        elif config.enable_chunked_prefill:
-            self.max_num_batched_tokens = max(EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
-        else:
-            self.max_num_batched_tokens = max(self.max_model_len, config.max_num_seqs)
+        self.max_model_len, self.max_num_batched_tokens = resolve_lengths(config, model_max, f"{arch.name}'s")
 
         self.cost_model = CostModel(arch, hw, tp, spec.dtype, spec.kv_cache_dtype, spec.efficiency)
         kv_name = spec.dtype if spec.kv_cache_dtype == "auto" else spec.kv_cache_dtype
