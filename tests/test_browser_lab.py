@@ -108,6 +108,12 @@ def jupyterlab(tmp_path):
             proc.kill()
 
 
+def _error_texts(page) -> list[str]:
+    """Texts of error outputs (tracebacks) on the page."""
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    return [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
+
+
 @pytest.mark.slow
 def test_chapter2_runs_in_a_real_browser(jupyterlab):
     chromium = _chromium()
@@ -127,24 +133,36 @@ def test_chapter2_runs_in_a_real_browser(jupyterlab):
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
         # a kernel is idle when the toolbar's status says so
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
-        page.locator(".jp-Notebook").first.click()
-        # Run > Run All Cells
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-        # wait until every code cell has an execution count (no "[*]" and none empty)
+        # Run > Run All Cells. A kernel that is still connecting can drop the queued cells (they end
+        # as "[ ]" with the kernel idle, nothing run); then the command is given again, at most 3 times.
         deadline = time.time() + 600
-        while time.time() < deadline:
-            prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
-            if prompts and all(t.strip() not in ("[*]:", "[ ]:", "") for t in prompts):
+        prompts: list[str] = []
+        tries = 0
+        for tries in range(1, 4):  # noqa: B007  (reported below)
+            page.locator(".jp-Notebook").first.click()
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+            started = time.time()
+            dropped = False
+            while time.time() < deadline:
+                prompts = [t.strip() for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]
+                if prompts and all(t not in ("[*]:", "[ ]:", "") for t in prompts):
+                    break
+                idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+                if idle and "[*]:" not in prompts and time.time() - started > 20:
+                    dropped = True  # nothing running, cells not run: an error stopped it, or it was dropped
+                    break
+                time.sleep(2)
+            if not dropped:
                 break
-            time.sleep(2)
-        else:
+            if _error_texts(page):
+                break  # a cell raised: report it below
+        errors_seen = _error_texts(page)
+        assert not errors_seen, errors_seen[:2]
+        if not (prompts and all(t not in ("[*]:", "[ ]:", "") for t in prompts)):
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT.with_name("chapter02-timeout.png")))
-            pytest.fail(f"cells not all run after 600 s: {prompts} (screenshot chapter02-timeout.png)")
-        errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-        tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
-        assert not tracebacks, tracebacks[:2]
+            pytest.fail(f"cells not all run after {tries} attempt(s): {prompts} (screenshot chapter02-timeout.png)")
         # plotly charts (static figures and the live FigureWidget) and the widget panel rendered
         page.wait_for_selector(".js-plotly-plot", timeout=60_000)
         n_plots = page.locator(".js-plotly-plot").count()
