@@ -189,22 +189,7 @@ class LLMEngine:
                     "raise swap_space or use preemption_mode='recompute'"
                 )
         self._check_fits(num_cpu_blocks)
-        if config.kv_allocator == "paged":
-            self.kv = KVCacheManager(
-                self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
-            )
-        else:
-            self.kv = ContiguousKVCacheManager(self.memory.num_blocks, config.block_size, config.kv_allocator)
-        self.scheduler = Scheduler(
-            self.kv,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            scheduling_policy=config.scheduling_policy,
-            preemption_mode=config.preemption_mode,
-            batching_policy=config.batching_policy,
-        )
+        self._make_kv_and_scheduler(num_cpu_blocks)
         if self._tp is not None:
             self._tp.init_cache(
                 self.memory.num_blocks,
@@ -235,6 +220,28 @@ class LLMEngine:
         self._holding: dict[str, tuple[Request, int, list]] = {}
         self.start_time = time.perf_counter()
         self.eos_token_id = self._eos_id()
+
+    def _make_kv_and_scheduler(self, num_cpu_blocks: int, clock=time.perf_counter) -> None:
+        """The KV-cache manager of ``kv_allocator`` over the planned pool, and the scheduler over it
+        (``clock``: the scheduler's time source; the simulator passes its simulated clock)."""
+        config = self.config
+        if config.kv_allocator == "paged":
+            self.kv = KVCacheManager(
+                self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
+            )
+        else:
+            self.kv = ContiguousKVCacheManager(self.memory.num_blocks, config.block_size, config.kv_allocator)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            scheduling_policy=config.scheduling_policy,
+            preemption_mode=config.preemption_mode,
+            batching_policy=config.batching_policy,
+            clock=clock,
+        )
 
     def _check_fits(self, num_cpu_blocks: int) -> None:
         """Refuse a KV pool the machine cannot hold, before allocating it.

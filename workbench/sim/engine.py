@@ -28,13 +28,11 @@ import torch
 from workbench.catalog import ModelArch
 from workbench.config import EngineConfig, GiB
 from workbench.engine import LLMEngine, resolve_lengths
-from workbench.kv.contiguous import ContiguousKVCacheManager
-from workbench.kv.manager import KVCacheManager
 from workbench.memory import activation_peak_bytes, plan_memory
 from workbench.metrics import Recorder, StepStats
 from workbench.request import Request
 from workbench.sampling import SamplingParams
-from workbench.scheduler import Scheduler, SchedulerOutput
+from workbench.scheduler import SchedulerOutput
 from workbench.sim.cost import DTYPE_BYTES, CostModel, Efficiency, StepCost, StepShape
 from workbench.sim.hardware import HardwareSpec
 from workbench.sim.trace import TraceRequest
@@ -268,24 +266,8 @@ class SimEngine(LLMEngine):
                     f"swap_space={config.swap_space} GiB holds no KV block of {self.memory.block_bytes:,} B; "
                     "raise swap_space or use preemption_mode='recompute'"
                 )
-        if config.kv_allocator == "paged":
-            self.kv = KVCacheManager(
-                self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
-            )
-        else:
-            self.kv = ContiguousKVCacheManager(self.memory.num_blocks, config.block_size, config.kv_allocator)
         self.now = 0.0
-        self.scheduler = Scheduler(
-            self.kv,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            scheduling_policy=config.scheduling_policy,
-            preemption_mode=config.preemption_mode,
-            batching_policy=config.batching_policy,
-            clock=self._clock,
-        )
+        self._make_kv_and_scheduler(num_cpu_blocks, clock=self._clock)
         self.executor = SimulatedExecutor(self.cost_model, config.block_size)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
