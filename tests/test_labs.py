@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import _lab_contexts_multigpu
+import _lab_contexts_tuning
 import pytest
 
 from workbench import labs
@@ -80,6 +82,9 @@ WRONG = {
     "6.1": [lambda n, p, b: n * (p // b), lambda n, p, b: (n - 1) * p / b],
     "6.2": [4, 0],
 }
+for _stage3 in (_lab_contexts_tuning, _lab_contexts_multigpu):  # chapters 7-10
+    CONTEXTS.update(_stage3.CONTEXTS)
+    WRONG.update(_stage3.WRONG)
 
 
 def test_every_exercise_has_a_context_and_wrong_answers():

@@ -549,3 +549,7 @@ class _SwapBytes:
         if x == blocks:
             return False, "that is the number of blocks; multiply by the bytes of one block"
         return False, f"{x:,.0f} B is not it"
+
+
+# The later chapters' exercises register themselves on import (after everything above exists).
+from workbench.labs import exercises_multigpu, exercises_tuning  # noqa: E402, F401
