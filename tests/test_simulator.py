@@ -83,7 +83,9 @@ def test_tp2_halves_per_gpu_weight_and_kv_bytes_and_adds_allreduce():
     n, L, h = 2, arch.num_hidden_layers, arch.hidden_size
     msg = 64 * h * 2
     ring = 2 * (n - 1) * A100.link_latency_s + 2 * (n - 1) / n * msg / (A100.link_bandwidth * two.eff.link)
-    assert c2.comm_s == pytest.approx(2 * L * ring)
+    # 2 all-reduces per layer + the vocab-parallel embedding's, and the logits' all-gather
+    gather = (n - 1) * A100.link_latency_s + (n - 1) / n * 64 * arch.vocab_size * 2 / (A100.link_bandwidth * two.eff.link)
+    assert c2.comm_s == pytest.approx((2 * L + 1) * ring + gather)
     assert c2.memory_s < c1.memory_s
 
 
@@ -347,3 +349,40 @@ def test_timeline_divides_each_window_by_the_time_it_covers():
     assert [r["t_end_s"] for r in rows] == [60.0, 90.0]
     assert rows[0]["output_tok_s"] == 100 / 60 and rows[1]["output_tok_s"] == 50 / 30  # the last window is 30 s long
     assert rows[1]["finished_req_s"] == 1 / 30
+
+
+def test_simulated_collectives_are_counted_as_the_real_engine_counts_them():
+    """The real engine's tensor-parallel forward (workbench.model.parallel, as vLLM's) all-reduces the
+    hidden state after the vocab-parallel embedding and twice per layer, and all-gathers the
+    sampling rows' logits: the simulated step records count the same collectives and bytes."""
+    eng = SimEngine(EngineConfig(max_num_seqs=8), SimSpec(L70, A100, 4))
+    eng.add_trace([TraceRequest(0.0, 40, 5, eos=False), TraceRequest(0.0, 300, 3, eos=False)])
+    eng.run()
+    L, h, V = L70.num_hidden_layers, L70.hidden_size, L70.vocab_size
+    for st in eng.recorder.steps:
+        tokens = st.num_prefill_tokens + st.num_decode_tokens
+        sampling = st.num_decode_reqs + st.num_prefill_reqs  # each prompt here fits one step, so samples
+        assert st.allreduce_bytes == (2 * L + 1) * tokens * h * 2
+        assert st.allgather_bytes == sampling * (-(-V // 4) * 4) * 2
+        assert st.num_collectives == 2 * L + 1 + 1
+        assert st.comm_time_s > 0
+
+
+def test_step_records_keep_only_the_steps_settling_can_still_correct():
+    """The engine keeps, per request holding blocks, the steps whose reservation may still turn into
+    internal fragmentation (where it held more slots than it has written since): about one block's
+    worth with paged allocation, not every step of a long request."""
+    eng = SimEngine(EngineConfig(max_num_seqs=4, block_size=16), SimSpec(L70, A100, 4))
+    eng.add_trace([TraceRequest(0.0, 30, 300, eos=False), TraceRequest(0.0, 50, 200, eos=True)])
+    longest = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        longest = max([longest] + [len(e[2]) for e in eng._holding.values()])
+    assert 0 < longest <= 16 + 1
+    steps = eng.recorder.steps
+    assert len(steps) >= 300
+    # and the settled split still adds up to the pool in every step
+    for st in steps:
+        assert st.token_states + st.reservation + st.internal_fragmentation + st.external_fragmentation + st.free == (
+            st.num_blocks * st.block_size
+        )

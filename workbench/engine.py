@@ -217,6 +217,8 @@ class LLMEngine:
         self._step = 0
         #: per request holding blocks: (request, most KV slots it may write, [(step stats, slots held,
         #: slots written)]) — to settle reservation vs internal fragmentation when it releases them
+        #: request id -> (request, most slots it can write, [([StepStats], slots held, slots written)])
+        #: of the steps of its current holding of blocks that _settle may still correct
         self._holding: dict[str, tuple[Request, int, list]] = {}
         self.start_time = time.perf_counter()
         self.eos_token_id = self._eos_id()
@@ -482,14 +484,55 @@ class LLMEngine:
 
     def _record_step(self, out, finished, t_start, t_end, sched_s, model_s, sample_s, comm=None) -> None:
         running = self.scheduler.running
-        holders = {rid: self.requests[rid] for rid in self.kv.block_tables if rid in self.requests}
-        computed = {rid: r.num_computed_tokens for rid, r in holders.items()}
-        # most KV slots each can write: prompt + output cap, less the last sampled token (never written)
-        bound = {rid: r.num_prompt_tokens + r.max_output_tokens - 1 for rid, r in holders.items()}
+        kv = self.kv
+        bs = kv.block_size
+        holding = self._holding
+        requests = self.requests
+        # paged without prefix caching: the §3 split's two sums are taken in this walk over the
+        # block tables (KVCacheManager.usage_from_sums), not in a second one (KVCacheManager.usage)
+        paged = isinstance(kv, KVCacheManager) and not kv.enable_prefix_caching
+        every = self.config.block_map_every
+        block_map = bool(every) and self._step % every == 0
+        keep_computed = block_map or not paged  # the per-request dict only where it is read
+        token_states = unwritten = 0
+        computed: dict[str, int] = {}
+        bound: dict[str, int] = {}
+        step_cell: list = [None]  # this step's StepStats, once built: entries refer to it
+        num_holding = 0
+        for rid, table in kv.block_tables.items():
+            entry = holding.get(rid)
+            if entry is None:
+                r = requests.get(rid)
+                if r is None:
+                    continue
+                # most KV slots it can write: prompt + output cap, less the last sampled token (never written)
+                entry = holding[rid] = (r, r.num_prompt_tokens + r.max_output_tokens - 1, [])
+            c = entry[0].num_computed_tokens
+            if keep_computed:
+                computed[rid] = c
+            held = len(table) * bs
+            if paged:
+                token_states += c
+                left = (held if held < entry[1] else entry[1]) - c
+                if left > 0:
+                    unwritten += left
+            else:
+                bound[rid] = entry[1]
+            entries = entry[2]
+            # A step in which the request held no more slots than it has written since can never be
+            # corrected by _settle (its final length >= written >= held there): keep only the others,
+            # so a long request keeps about one block's worth of steps, not every step.
+            if entries and entries[0][1] <= c:
+                k = 1
+                while k < len(entries) and entries[k][1] <= c:
+                    k += 1
+                del entries[:k]
+            entries.append((step_cell, held, c))
+            num_holding += 1
         waiting = self.scheduler.waiting
-        need = self.kv.reservation_blocks(waiting[0].request_id) if waiting else 0
-        usage = self.kv.usage(computed, bound, need)
-        n_prefill = sum(1 for s in out.scheduled if s.is_prefill)
+        need = kv.reservation_blocks(waiting[0].request_id) if waiting else 0
+        usage = kv.usage_from_sums(token_states, unwritten) if paged else kv.usage(computed, bound, need)
+        n_prefill = out.num_prefill_reqs
         st = StepStats(
             step=self._step,
             time_s=t_start - self.start_time,
@@ -528,17 +571,13 @@ class LLMEngine:
             prefix_cache_hits=out.prefix_cache_hits,
             **(comm.to_dict() if comm is not None else {}),
         )
+        step_cell[0] = st
         self._step += 1
-        bs = self.kv.block_size
-        for rid, r in holders.items():
-            entry = self._holding.get(rid)
-            if entry is None:
-                entry = self._holding[rid] = (r, bound[rid], [])
-            entry[2].append((st, len(self.kv.block_tables[rid]) * bs, computed[rid]))
-        for rid in [rid for rid in self._holding if rid not in self.kv.block_tables]:
-            self._settle(rid)
-        every = self.config.block_map_every
-        if every and st.step % every == 0:
+        if len(holding) > num_holding:  # some request released its blocks since the last step
+            tables = self.kv.block_tables
+            for rid in [rid for rid in holding if rid not in tables]:
+                self._settle(rid)
+        if block_map:
             self.recorder.record_block_map(self.kv.block_map(computed, need, st.step))
         self.recorder.record_step(st)
         for r in finished:
@@ -553,7 +592,7 @@ class LLMEngine:
         last_written = entries[-1][2] if entries else 0
         # a recompute preemption resets num_computed_tokens: it then wrote what the last step saw
         final = req.num_computed_tokens if req.num_computed_tokens >= last_written else last_written
-        for st, held, written in entries:
+        for (st,), held, written in entries:
             provisional = max(0, min(held, bound) - written)
             true = max(0, min(held, final) - written)
             delta = min(provisional - true, st.reservation)

@@ -97,8 +97,9 @@ class Request:
         sp = self.sampling_params
         if not sp.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
-        if last in sp.stop_token_ids:
+        if sp.stop_token_ids and last in sp.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_output_tokens:
+        n = len(self.output_token_ids)  # >= max_output_tokens, without the properties (per-step path)
+        if n >= sp.max_tokens or n >= self.max_total_len - len(self.prompt_token_ids):
             return RequestStatus.FINISHED_LENGTH
         return None

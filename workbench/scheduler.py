@@ -52,7 +52,7 @@ def _remove_identical(q, request: Request) -> bool:
     return False
 
 
-@dataclass
+@dataclass(slots=True, init=False)
 class ScheduledRequest:
     """One request's share of a step: ``num_new_tokens`` tokens from position ``start``."""
 
@@ -60,14 +60,20 @@ class ScheduledRequest:
     start: int
     num_new_tokens: int
     #: the request is still computing its prompt (or recomputing after preemption); fixed at scheduling
-    is_prefill: bool = field(init=False)
+    is_prefill: bool
     #: this step reaches the request's last token, so a new token is sampled; fixed at scheduling
-    samples: bool = field(init=False)
+    samples: bool
 
-    def __post_init__(self) -> None:
-        r = self.request
-        self.is_prefill = self.start < r.num_tokens - 1 or r.num_output_tokens == 0
-        self.samples = self.start + self.num_new_tokens == r.num_tokens
+    def __init__(self, request: Request, start: int, num_new_tokens: int, num_tokens: int | None = None) -> None:
+        # one call per scheduled request per step: no __post_init__, no property lookups;
+        # ``num_tokens``: the request's prompt + output length when the caller has it
+        self.request = request
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        if num_tokens is None:
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        self.is_prefill = start < num_tokens - 1 or not request.output_token_ids
+        self.samples = start + num_new_tokens == num_tokens
 
 
 @dataclass
@@ -77,6 +83,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0
+    #: scheduled requests computing prompt tokens (the rest decode)
+    num_prefill_reqs: int = 0
     num_decode_tokens: int = 0
     num_preempted_recompute: int = 0
     num_preempted_swap: int = 0
@@ -161,6 +169,9 @@ class Scheduler:
         #: ids of the current static / grouped batch's unfinished members
         self.batch: set[str] = set()
         self.num_batches = 0
+        #: append each sampled token's time to ``Request.token_times`` (the ITL record); the
+        #: simulator turns it off for replays that keep no ITL lists
+        self.record_token_times = True
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
@@ -246,7 +257,11 @@ class Scheduler:
         if self.policy == "fcfs":
             victim = self.running[-1]
         else:
-            victim = max((r for r in self.running if r.request_id not in scheduled_ids), key=self._key)
+            # the lowest priority, newest; among equal keys (parallel-sampling siblings share priority
+            # and arrival) the last in the running order, as FCFS takes running[-1] — ``max`` over the
+            # list in order would pick the first of equals, the request furthest along, and siblings
+            # could then preempt each other forever
+            victim = max((r for r in reversed(self.running) if r.request_id not in scheduled_ids), key=self._key)
         if victim.request_id in scheduled_ids:
             raise RuntimeError("KV pool exhausted by requests already scheduled this step")
         return victim
@@ -271,27 +286,63 @@ class Scheduler:
 
         # 1. running requests, oldest (or highest priority) first
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._chunk(req, budget)
-            if n == 0:
-                i += 1  # its whole prompt does not fit the rest of the budget; next step
-                continue
+        running = self.running
+        kv = self.kv
+        allocate_slots = kv.allocate_slots
+        # a decode inside its last, unshared block needs nothing from the paged KV manager: the
+        # no-op case of KVCacheManager.allocate_slots, checked here without the call
+        paged = type(kv) is KVCacheManager
+        tables = kv.block_tables
+        ref_cnt = kv.pool.ref_cnt if paged else None
+        kbs = kv.block_size
+        shared = kv.pool.ever_shared if paged else True
+        scheduled = out.scheduled
+        num_decode_tokens = 0
+        # only a priority victim is chosen among the requests not scheduled yet; the FCFS victim,
+        # running[-1], comes after the request being scheduled, so never is one
+        by_priority = self.policy == "priority"
+        num_running = len(running)
+        while i < num_running and budget > 0:
+            req = running[i]
             c = req.num_computed_tokens
-            while not self.kv.allocate_slots(req.request_id, c + n, write_start=c):
-                if self._release_waiting_holder():
-                    continue
-                victim = self._victim(scheduled_ids)
-                self._preempt(victim, out)
-                if victim is req:
-                    break
+            room = False
+            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if num_tokens - c == 1:
+                n = 1  # a decode: what _chunk gives for one remaining token and budget > 0
+                if paged:
+                    t = tables.get(req.request_id)
+                    room = t is not None and len(t) * kbs > c and (not shared or ref_cnt[t[c // kbs]] <= 1)
             else:
-                self._add(out, req, n)
+                n = self._chunk(req, budget)
+                if n == 0:
+                    i += 1  # its whole prompt does not fit the rest of the budget; next step
+                    continue
+            if not room:
+                while not allocate_slots(req.request_id, c + n, write_start=c):
+                    if self._release_waiting_holder():
+                        continue
+                    victim = self._victim(scheduled_ids)
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                else:
+                    room = True
+                num_running = len(running)  # preemptions removed requests
+                if not room:
+                    break  # req preempted itself: every request after it was preempted before it
+            s = ScheduledRequest(req, c, n, num_tokens)  # _add, inlined: this loop runs for every running request
+            scheduled.append(s)
+            if s.is_prefill:
+                out.num_prefill_tokens += n
+                out.num_prefill_reqs += 1
+                req.num_prefill_chunks += 1
+            else:
+                num_decode_tokens += n
+            if by_priority:
                 scheduled_ids.add(req.request_id)
-                budget -= n
-                i += 1
-                continue
-            break  # req preempted itself: every request after it was preempted before it
+            budget -= n
+            i += 1
+        out.num_decode_tokens += num_decode_tokens
 
         # 2. swapped requests come back before new ones are admitted
         if self.swapped and not out.preempted:
@@ -397,6 +448,7 @@ class Scheduler:
         out.scheduled.append(s)
         if s.is_prefill:
             out.num_prefill_tokens += n
+            out.num_prefill_reqs += 1
             req.num_prefill_chunks += 1
         else:
             out.num_decode_tokens += n
@@ -413,22 +465,44 @@ class Scheduler:
             The requests that finished this step (their blocks are already freed).
         """
         finished = []
+        kv = self.kv
+        prefix_caching = kv.enable_prefix_caching
+        fork_pending = self.fork_pending  # _fork pops from it
+        record_times = self.record_token_times
+        # fork_pending only shrinks during an update: when empty now, it stays empty
+        bookkeeping = prefix_caching or bool(fork_pending)
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            if self.kv.enable_prefix_caching and (
-                req.num_computed_tokens // self.kv.block_size > self.kv.num_hashed_blocks(req.request_id)
-            ):
-                self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-            if req.request_id in self.fork_pending and req.num_computed_tokens >= req.num_prompt_tokens:
-                self._fork(req)
+            if bookkeeping:
+                if prefix_caching and (
+                    req.num_computed_tokens // kv.block_size > kv.num_hashed_blocks(req.request_id)
+                ):
+                    kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+                if (
+                    fork_pending
+                    and req.request_id in fork_pending
+                    and req.num_computed_tokens >= req.num_prompt_tokens
+                ):
+                    self._fork(req)
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue
-            req.output_token_ids.append(tok)
-            req.token_times.append(now)
+            out_ids = req.output_token_ids
+            out_ids.append(tok)
+            if record_times:
+                req.token_times.append(now)
             if req.first_token_time is None:
                 req.first_token_time = now
+            sp = req.sampling_params
+            n_out = len(out_ids)
+            if (
+                (tok != req.eos_token_id or sp.ignore_eos)
+                and not sp.stop_token_ids
+                and n_out < sp.max_tokens
+                and n_out + len(req.prompt_token_ids) < req.max_total_len
+            ):
+                continue  # none of Request.check_stop's conditions holds (checked without the call)
             status = req.check_stop()
             if status is not None:
                 self.finish(req, status)

@@ -30,6 +30,9 @@ class BlockPool:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
+        #: False until some block has a second owner (a fork, a prefix-cache hit): while False no
+        #: block is shared, so a write needs no copy-on-write check
+        self.ever_shared = False
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
@@ -75,6 +78,8 @@ class BlockPool:
         if self.ref_cnt[block_id] == 0:
             del self._free[block_id]
         self.ref_cnt[block_id] += 1
+        if self.ref_cnt[block_id] > 1:
+            self.ever_shared = True
 
     def incref(self, block_id: int) -> None:
         """Add an owner to an allocated block.
@@ -85,6 +90,7 @@ class BlockPool:
         if self.ref_cnt[block_id] < 1:
             raise RuntimeError(f"block {block_id} is free; cannot share it")
         self.ref_cnt[block_id] += 1
+        self.ever_shared = True
 
     def cache_block(self, block_id: int, block_hash: bytes) -> None:
         """Register a full block's content hash (first writer wins; a duplicate stays uncached)."""

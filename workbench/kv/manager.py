@@ -161,6 +161,19 @@ class KVCacheManager:
         bs = self.block_size
         table = self.block_tables.get(request_id)
         have = len(table) if table else 0
+        if have * bs >= num_total_tokens and not cached_blocks:
+            # the common step of a running request (a decode inside its last block): nothing to
+            # allocate; only a shared block in the written range needs a copy
+            if write_start is None:
+                return True
+            ref = self.pool.ref_cnt
+            lo = write_start // bs
+            hi = -(-num_total_tokens // bs)
+            if hi - lo == 1:
+                if ref[table[lo]] <= 1:
+                    return True
+            elif all(ref[table[i]] <= 1 for i in range(lo, hi)):
+                return True
         need = max(0, cdiv(num_total_tokens, bs) - have - len(cached_blocks))
         cow = []
         if table and write_start is not None:
@@ -277,7 +290,6 @@ class KVCacheManager:
                 free block serves any request).
         """
         bs = self.block_size
-        allocated = (self.pool.num_blocks - self.pool.num_free_blocks) * bs
         if self.enable_prefix_caching:
             # a block shared by several requests holds its token states once
             filled: dict[int, int] = {}
@@ -292,21 +304,38 @@ class KVCacheManager:
             token_states = sum(filled.values())
         else:
             token_states = sum(num_computed.get(r, 0) for r in self.block_tables)
-        waste = allocated - token_states
-        reservation = 0
+        unwritten = None
         if final_bound is not None:
+            unwritten = 0
+            get_c = num_computed.get
+            get_b = final_bound.get
             for r, table in self.block_tables.items():
-                c = num_computed.get(r, 0)
-                reservation += max(0, min(len(table) * bs, final_bound.get(r, 0)) - c)
-            reservation = min(reservation, waste)
-        free = self.pool.num_free_blocks * bs
+                left = min(len(table) * bs, get_b(r, 0)) - get_c(r, 0)
+                if left > 0:
+                    unwritten += left
+        return self.usage_from_sums(token_states, unwritten)
+
+    def usage_from_sums(self, token_states: int, unwritten_below_bound: int | None = None) -> KVUsage:
+        """The pool split of :meth:`usage` from its two sums (token slots), for a caller that
+        already walks the block tables (the engine's step record).
+
+        Args:
+            token_states: slots holding K/V (shared blocks counted once).
+            unwritten_below_bound: over the requests holding blocks, the allocated slots below
+                each one's ``final_bound`` not written yet (``None``: all waste is internal
+                fragmentation).
+        """
+        bs = self.block_size
+        allocated = (self.pool.num_blocks - self.pool.num_free_blocks) * bs
+        waste = allocated - token_states
+        reservation = 0 if unwritten_below_bound is None else min(unwritten_below_bound, waste)
         return KVUsage(
             pool=self.pool_tokens,
             token_states=token_states,
             reservation=reservation,
             internal_fragmentation=waste - reservation,
             external_fragmentation=0,
-            free=free,
+            free=self.pool.num_free_blocks * bs,
         )
 
     def block_map(self, num_computed: dict[str, int], waiting_need_blocks: int = 0, step: int = 0) -> dict:

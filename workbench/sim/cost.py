@@ -9,7 +9,8 @@ token included) and ``S`` sequences sampling::
     bytes   = W  +  b_kv · (Σ_decode c + Σ_prefill (s + n))  +  b_kv · T
     compute = FLOPs / (peak_flops · e_compute)
     memory  = bytes / (hbm_bandwidth · e_memory)
-    comm    = 2 L · [ 2 (N − 1) · α  +  2 (N − 1) / N · (T · h · elem) / (link_bandwidth · e_link) ]   (N > 1)
+    comm    = (2 L + 1) · [ 2 (N − 1) · α  +  2 (N − 1) / N · (T · h · elem) / (link_bandwidth · e_link) ]
+              + (N − 1) · α  +  (N − 1) / N · (S · V_N · elem) / (link_bandwidth · e_link)     (N > 1)
     swap    = blocks swapped · block bytes / host_bandwidth  +  2 · copied blocks · block bytes / hbm_bandwidth
     step    = overhead + per_seq · (sequences scheduled) + max(compute, memory) + comm + swap
 
@@ -29,10 +30,14 @@ token included) and ``S`` sequences sampling::
   and memory traffic; ``e_compute`` and ``e_memory`` are the fractions of peak a real forward
   reaches (fitted by :mod:`workbench.sim.calibrate`).
 * Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, §3): one all-reduce of the hidden
-  state ``T · h`` after attention and one after the MLP per layer; a ring all-reduce takes
+  state ``T · h`` after attention and one after the MLP per layer, plus one after the
+  vocab-parallel embedding (each rank holds ``1 / N`` of the vocabulary's rows: vLLM's
+  ``VocabParallelEmbedding``, and :mod:`workbench.model.parallel`); a ring all-reduce takes
   ``2 (N − 1)`` steps, each moving ``1 / N`` of the message over one link and paying one hop
   latency α (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms"; NCCL's ring).
-  Communication is not overlapped with compute, as in vLLM's forward.
+  The LM head's logits ``[S, V_N / N]`` per rank are all-gathered (``V_N`` = vocabulary padded
+  to a multiple of ``N``): a ring all-gather is ``N − 1`` such steps. Communication is not
+  overlapped with compute, as in vLLM's forward.
 * ``overhead`` and ``per_seq``: the engine's CPU time per step (scheduling, input preparation,
   sampling, kernel launches) — constant and per scheduled sequence.
 
@@ -182,6 +187,7 @@ class CostModel:
         )
         self.attn_flops_per_pair = 4 * arch.num_hidden_layers * (arch.num_attention_heads // tp) * arch.head_dim
         self._hop = 2 * (tp - 1)
+        self.padded_vocab = -(-arch.vocab_size // tp) * tp
 
     def set_efficiency(self, eff: Efficiency) -> None:
         self.eff = eff
@@ -192,6 +198,23 @@ class CostModel:
             return 0.0
         hw = self.hw
         return self._hop * hw.link_latency_s + self._hop / self.tp * message_bytes / (hw.link_bandwidth * self.eff.link)
+
+    def allgather_s(self, total_bytes: float) -> float:
+        """One ring all-gather whose result is ``total_bytes`` on every rank (0 on one device)."""
+        if self.tp == 1:
+            return 0.0
+        hw = self.hw
+        hops = self.tp - 1
+        return hops * hw.link_latency_s + hops / self.tp * total_bytes / (hw.link_bandwidth * self.eff.link)
+
+    def comm_bytes(self, num_tokens: int, num_sampling: int) -> tuple[int, int, int]:
+        """``(all-reduced bytes, all-gathered bytes, collectives)`` of one step on one rank, counted as
+        :class:`workbench.comm.CommStats` counts the real engine's (0s on one device)."""
+        if self.tp == 1:
+            return 0, 0, 0
+        reduced = (2 * self.arch.num_hidden_layers + 1) * num_tokens * self.arch.hidden_size * self.elem
+        gathered = num_sampling * self.padded_vocab * self.elem
+        return reduced, gathered, 2 * self.arch.num_hidden_layers + 1 + (1 if num_sampling else 0)
 
     def step(self, shape: StepShape) -> StepCost:
         """The time of one step (see the module docstring)."""
@@ -226,7 +249,13 @@ class CostModel:
         nbytes = self.weights_bytes + self.kv_bytes_per_token * (kv_read_tokens + num_tokens)
         compute = flops / (hw.peak_flops * e.compute)
         memory = nbytes / (hw.hbm_bandwidth * e.memory)
-        comm = 2 * self.arch.num_hidden_layers * self.allreduce_s(num_tokens * self.arch.hidden_size * self.elem)
+        comm = 0.0
+        if self.tp > 1:
+            comm = (2 * self.arch.num_hidden_layers + 1) * self.allreduce_s(
+                num_tokens * self.arch.hidden_size * self.elem
+            )
+            if num_sampling:
+                comm += self.allgather_s(num_sampling * self.padded_vocab * self.elem)
         swap = 0.0
         if swap_blocks or copied_blocks:
             swap = swap_blocks * block_bytes / hw.host_bandwidth + 2 * copied_blocks * block_bytes / hw.hbm_bandwidth

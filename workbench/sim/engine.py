@@ -19,6 +19,7 @@ simulated run folder reads like a real one. What differs:
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -83,12 +84,14 @@ class _SimComm:
     """A step's simulated collectives, in the shape of :class:`workbench.comm.CommStats` (its ``to_dict``)."""
 
     allreduce_bytes: int
+    allgather_bytes: int
     num_collectives: int
     comm_time_s: float
 
     def to_dict(self) -> dict:
         return {
             "allreduce_bytes": self.allreduce_bytes,
+            "allgather_bytes": self.allgather_bytes,
             "num_collectives": self.num_collectives,
             "comm_time_s": self.comm_time_s,
         }
@@ -123,11 +126,20 @@ class SimSpec:
 
 @dataclass
 class SimStepResult:
-    """What the simulated executor returns for one step."""
+    """What the simulated executor returns for one step.
+
+    Attributes:
+        duration_s: simulated seconds the step takes.
+        num_sampled: sequences that sample a token.
+        cost: the cost model's breakdown.
+        sampled: the token each sampling request draws (request id -> token id): :data:`SIM_EOS`
+            where its stop length says it ends, else 0.
+    """
 
     duration_s: float
     num_sampled: int
     cost: StepCost
+    sampled: dict = field(default_factory=dict)
 
 
 class SimulatedExecutor:
@@ -136,11 +148,14 @@ class SimulatedExecutor:
     Args:
         cost_model: prices a step.
         block_size: tokens per KV block (prices swaps and copies).
+        stop_at: request id -> the output length at which that request samples end-of-sequence
+            (the trace's length; requests absent from it never do). Shared with the engine.
     """
 
-    def __init__(self, cost_model: CostModel, block_size: int) -> None:
+    def __init__(self, cost_model: CostModel, block_size: int, stop_at: dict[str, int] | None = None) -> None:
         self.cost = cost_model
         self.block_size = block_size
+        self.stop_at = {} if stop_at is None else stop_at
 
     def execute(self, out: SchedulerOutput) -> SimStepResult:
         """Duration and sampled-token count of one step.
@@ -149,25 +164,25 @@ class SimulatedExecutor:
         ``(start, n)`` when ``n > 1`` and a decode of context ``start + 1`` otherwise.
         """
         decode_ctx = 0
-        n_dec = 0
         pairs = 0
         kv_read = 0
-        tokens = 0
-        sampling = 0
+        sampled = {}
+        stop_at = self.stop_at
         for s in out.scheduled:
             n = s.num_new_tokens
             st = s.start
-            tokens += n
             if s.samples:
-                sampling += 1
+                r = s.request
+                rid = r.request_id
+                sampled[rid] = SIM_EOS if stop_at.get(rid) == len(r.output_token_ids) + 1 else 0
             if n == 1:
                 decode_ctx += st + 1
-                n_dec += 1
             else:
                 pairs += n * st + n * (n + 1) // 2
                 kv_read += st + n
+        sampling = len(sampled)  # one entry per sampling request
         cost = self.cost.step_from_sums(
-            num_tokens=tokens,
+            num_tokens=out.num_prefill_tokens + out.num_decode_tokens,
             num_seqs=len(out.scheduled),
             num_sampling=sampling,
             pairs=pairs + decode_ctx,
@@ -176,7 +191,7 @@ class SimulatedExecutor:
             copied_blocks=len(out.block_copies),
             block_bytes=self.cost.kv_bytes_per_token * self.block_size,
         )
-        return SimStepResult(cost.time_s, sampling, cost)
+        return SimStepResult(cost.time_s, sampling, cost, sampled)
 
     def shape(self, out: SchedulerOutput) -> StepShape:
         """The step as a :class:`StepShape` (for inspection and tests)."""
@@ -268,7 +283,8 @@ class SimEngine(LLMEngine):
                 )
         self.now = 0.0
         self._make_kv_and_scheduler(num_cpu_blocks, clock=self._clock)
-        self.executor = SimulatedExecutor(self.cost_model, config.block_size)
+        self._stop_at: dict[str, int] = {}  # request id -> output length at which it samples EOS
+        self.executor = SimulatedExecutor(self.cost_model, config.block_size, self._stop_at)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self._generators: dict = {}
@@ -279,7 +295,6 @@ class SimEngine(LLMEngine):
         self.start_time = 0.0
         self.eos_token_id = SIM_EOS
         self._pending: deque[tuple[str, TraceRequest]] = deque()
-        self._stop_at: dict[str, int] = {}  # request id -> output length at which it samples EOS
         self._num_traced = 0
         #: keep every inter-token gap in the request records (False: ``itl_s`` stays empty)
         self.record_itl = True
@@ -354,6 +369,7 @@ class SimEngine(LLMEngine):
                 return []
             self.now = max(self.now, self._pending[0][1].arrival_s)  # idle: jump to the next arrival
             self._admit_arrivals()
+        self.scheduler.record_token_times = self.record_itl
         finished: list[Request] = self._refused
         self._refused = []
         t_start = self.now
@@ -364,14 +380,7 @@ class SimEngine(LLMEngine):
         t_end = t_start + res.duration_s
         self.now = t_end
         if not out.is_empty:
-            sampled = {}
-            stop_at = self._stop_at
-            for s in out.scheduled:
-                if s.samples:
-                    r = s.request
-                    rid = r.request_id
-                    sampled[rid] = SIM_EOS if stop_at.get(rid) == r.num_output_tokens + 1 else 0
-            finished += self.scheduler.update(out, sampled, t_end)
+            finished += self.scheduler.update(out, res.sampled, t_end)
         if not self.record_itl:
             for r in finished:
                 r.token_times = []
@@ -379,9 +388,7 @@ class SimEngine(LLMEngine):
             over = res.cost.overhead_s
             comm = None
             if self._comm_fields and res.cost.comm_s > 0:
-                layers = self.spec.arch.num_hidden_layers
-                per = out.total_tokens * self.spec.arch.hidden_size * DTYPE_BYTES[self.spec.dtype]
-                comm = _SimComm(2 * layers * per, 2 * layers, res.cost.comm_s)
+                comm = _SimComm(*self.cost_model.comm_bytes(out.total_tokens, res.num_sampled), res.cost.comm_s)
             if comm is None:
                 self._record_step(out, finished, t_start, t_end, over, res.duration_s - over, 0.0)
             else:
@@ -400,7 +407,16 @@ class SimEngine(LLMEngine):
         Args:
             progress: a callable ``(engine) -> None`` called after each step (e.g. a progress bar).
         """
-        while self.has_unfinished_requests():
-            self.step()
-            if progress is not None:
-                progress(self)
+        # The replay allocates many short-lived objects that form no reference cycles (step
+        # schedules, step records); the cyclic collector's passes over the growing heap cost
+        # about 3% of a long replay, so it is off while it runs.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            while self.has_unfinished_requests():
+                self.step()
+                if progress is not None:
+                    progress(self)
+        finally:
+            if enabled:
+                gc.enable()
