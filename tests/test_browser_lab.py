@@ -1,4 +1,5 @@
-"""A real browser opens chapter 2 in JupyterLab, runs every cell, and sees the plots and the panel.
+"""A real browser opens chapter 2 in JupyterLab, runs every cell, and sees the plots and the panel;
+and opens chapter 7, runs a two-point sweep from its panel, and sees the heatmaps fill.
 
 JupyterLab is started on localhost over a copy of ``labs/``; a headless Chromium (Debian's
 ``chromium``, or ``$WORKBENCH_CHROMIUM``) is driven by Playwright. The test checks that every
@@ -178,4 +179,84 @@ def test_chapter2_runs_in_a_real_browser(jupyterlab):
         page.screenshot(path=str(SCREENSHOT))
         browser.close()
     assert SCREENSHOT.stat().st_size > 10_000
+    assert not [e for e in console_errors if "plotly" in e.lower() or "widget" in e.lower()], console_errors
+
+
+def _plot_cells_filled(page) -> list[int]:
+    """Per heatmap on the page: how many of its cells hold a value (plotly's own data on the graph div)."""
+    return page.evaluate(
+        """() => Array.from(document.querySelectorAll('.js-plotly-plot'))
+            .filter(el => el.data && el.data.length && el.data[0].type === 'heatmap')
+            .map(el => (el.data[0].z || []).flat().filter(v => v !== null && v !== undefined).length)"""
+    )
+
+
+@pytest.mark.slow
+def test_chapter7_sweep_panel_fills_its_heatmaps_in_a_real_browser(jupyterlab):
+    """Chapter 7's first cells run (setup, trace, the sweep panel); the test types a two-point grid into
+    the panel's text boxes, clicks Run, and waits until every heatmap has both cells filled."""
+    chromium = _chromium()
+    if chromium is None:
+        _need("no Chromium found (apt-get install chromium, or set WORKBENCH_CHROMIUM)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _need("playwright is not installed (pip install playwright)")
+    base, token = jupyterlab
+    shot = SCREENSHOT.with_name("chapter07.png")
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        console_errors = []
+        page.on("pageerror", lambda e: console_errors.append(str(e)))
+        page.goto(f"{base}/lab/tree/07_parameter_matrix.ipynb?token={token}", timeout=120_000)
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
+        # run the cells up to the panel's (the first one whose source builds a SweepPanel), one by one
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        sources = cells.locator(".jp-InputArea-editor").all_inner_texts()
+        last = next(i for i, s in enumerate(sources) if "SweepPanel(" in s)
+        cells.nth(0).click()
+        page.keyboard.press("Escape")  # command mode
+        deadline = time.time() + 300
+        run_button = page.locator(".jupyter-widgets button", has_text="Run")
+        for attempt in range(3):
+            if attempt:  # a kernel still connecting can drop the first execution requests: try again
+                cells.nth(0).click()
+                page.keyboard.press("Escape")
+            for _ in range(last + 1):
+                page.keyboard.press("Shift+Enter")
+            try:
+                run_button.first.wait_for(timeout=90_000)
+                break
+            except Exception:
+                assert not _error_texts(page), _error_texts(page)[:2]
+        run_button.first.wait_for(timeout=60_000)
+        # a two-point grid: one utilization, two max_num_seqs
+        boxes = page.locator(".jupyter-widgets.widget-text input")
+        assert boxes.count() == 2, boxes.count()
+        boxes.nth(0).fill("0.9")
+        boxes.nth(1).fill("4, 8")
+        boxes.nth(1).press("Enter")
+        page.wait_for_function(  # the heatmaps exist (empty) before the run
+            "() => document.querySelectorAll('.js-plotly-plot').length >= 5", timeout=60_000
+        )
+        assert all(n == 0 for n in _plot_cells_filled(page)[:5]), _plot_cells_filled(page)  # later: saved outputs
+        run_button.first.click()
+        filled: list[int] = []
+        while time.time() < deadline:
+            filled = _plot_cells_filled(page)
+            # throughput, TTFT, KV utilization, preemptions, fragmentation: 2 cells each
+            if len(filled) >= 5 and all(n == 2 for n in filled[:5]):
+                break
+            assert not _error_texts(page), _error_texts(page)[:2]
+            time.sleep(2)
+        page.locator(".jupyter-widgets button", has_text="Run").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(shot))
+        text = page.locator(".jp-Notebook").inner_text()
+        browser.close()
+    assert len(filled) >= 5 and all(n == 2 for n in filled[:5]), f"heatmap cells filled: {filled} (see {shot.name})"
+    assert "2 of 2 run(s) done" in text
+    assert "runs 2/2" in text
     assert not [e for e in console_errors if "plotly" in e.lower() or "widget" in e.lower()], console_errors

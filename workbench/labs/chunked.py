@@ -1,0 +1,493 @@
+"""Chunked prefill and the latency trade-off (chapter 8): long prompts arriving among running decodes.
+
+:func:`chunked_trace` builds a trace of real prompts with *arrival steps*: a few short requests
+with long outputs start at step 0 and keep decoding; long documents to summarise arrive later, one
+at a time, while they decode. :func:`arrival_run` drives a real :class:`~workbench.engine.LLMEngine`
+(the bundled model) step by step and adds each request before the step it arrives at, so which
+tokens run in which step depends on the engine's decisions only — it is the same on every machine —
+while the times (TTFT, inter-token latency) are measured on the wall clock.
+
+Arrivals are counted in engine steps rather than seconds so that the schedule is deterministic: with
+arrivals in seconds a slower machine would see a different mix of requests in each step.
+
+The figures (:func:`tradeoff_row`): ``ttft_p50_s`` / ``ttft_p99_s`` and ``itl_p50_s`` / ``itl_p99_s``
+(all requests, from :func:`workbench.viz.report.summary_table`; timings), and the deterministic
+ones from the step records: ``max_step_tokens`` (the largest step, in tokens, that a decoding request
+waited through — its inter-token gap grows with it), ``long_ttft_steps`` (steps from a long prompt's
+arrival to its first token, the longest of them), ``long_chunks`` (prefill chunks of each long
+prompt) and ``steps``.
+
+:class:`TradeoffPanel`: a slider for ``max_num_batched_tokens`` and a checkbox for
+``enable_chunked_prefill``; each Run is a real run whose (TTFT p99, ITL p99) joins a live plotly
+``FigureWidget``.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+
+from workbench.bench.datasets import PromptRecord, default_prompts
+from workbench.labs.runs import LAB_ENGINE_DEFAULTS
+
+__all__ = [
+    "CHUNKED_ENGINE_DEFAULTS",
+    "ArrivalResult",
+    "TradeoffPanel",
+    "arrival_run",
+    "chunked_trace",
+    "describe_trace",
+    "exercise_prefills",
+    "prefill_measurements",
+    "tradeoff_figure",
+    "tradeoff_row",
+    "tradeoff_runs",
+]
+
+#: engine arguments of this chapter's runs (over the lab defaults): room for the long documents
+CHUNKED_ENGINE_DEFAULTS: dict[str, Any] = {"max_model_len": 1024, "num_gpu_blocks_override": 256}
+
+
+def chunked_trace(
+    num_decodes: int = 3,
+    decode_tokens: int = 64,
+    num_long: int = 2,
+    long_output: int = 4,
+    first_arrival: int = 4,
+    every: int = 26,
+    min_long_chars: int = 1800,
+    max_long_chars: int = 2300,
+) -> list[tuple[int, PromptRecord]]:
+    """``[(arrival step, record)]``: ``num_decodes`` short questions decoding ``decode_tokens`` tokens
+    each from step 0, and ``num_long`` long documents (``min_long_chars`` to ``max_long_chars``
+    characters, a few hundred tokens) producing ``long_output`` tokens each, arriving at steps
+    ``first_arrival``, ``first_arrival + every``, ... (prompts in the project set's order).
+
+    Raises:
+        ValueError: non-positive counts, or too few prompts of the asked lengths.
+    """
+    if num_decodes < 0 or num_long < 1 or decode_tokens < 1 or long_output < 1 or every < 1 or first_arrival < 0:
+        raise ValueError("counts must be positive (num_long, decode_tokens, long_output, every) and steps >= 0")
+    prompts = [r for r in default_prompts() if isinstance(r.prompt, str)]
+    short = [r for r in prompts if len(r.prompt) <= 100][:num_decodes]
+    long = [r for r in prompts if min_long_chars <= len(r.prompt) <= max_long_chars][:num_long]
+    if len(short) < num_decodes or len(long) < num_long:
+        raise ValueError(
+            f"the prompt set has {len(short)} short and {len(long)} long prompts of the asked lengths; "
+            f"ask for fewer or widen min_long_chars / max_long_chars"
+        )
+    out = [
+        (0, replace(r, id=f"decode-{i}", max_tokens=decode_tokens, output_len=decode_tokens))
+        for i, r in enumerate(short)
+    ]
+    out += [
+        (first_arrival + i * every, replace(r, id=f"long-{i}", max_tokens=long_output, output_len=long_output))
+        for i, r in enumerate(long)
+    ]
+    return out
+
+
+@dataclass
+class ArrivalResult:
+    """A run with arrivals: what :class:`~workbench.bench.run.JobResult` holds, and the schedule.
+
+    Attributes:
+        recorder: every ``StepStats`` and request record.
+        summary: :func:`workbench.viz.report.summary_table` of the run.
+        memory: the engine's memory budget (``MemoryBudget.to_dict()``).
+        arrivals: ``{request id: arrival step}``.
+        prompt_tokens: ``{request id: prompt tokens}``.
+        schedule: per step, ``{request id: (tokens computed in it, was a prefill chunk)}`` — read from
+            the engine's requests before and after each step.
+        engine_args: the engine arguments of the run.
+        max_num_batched_tokens: the engine's token budget per step (resolved default included).
+    """
+
+    recorder: Any
+    summary: dict
+    memory: dict
+    wall_time_s: float
+    arrivals: dict[str, int]
+    prompt_tokens: dict[str, int]
+    schedule: list[dict[str, tuple[int, bool]]]
+    engine_args: dict
+    max_num_batched_tokens: int
+
+
+def arrival_run(
+    trace: Sequence[tuple[int, PromptRecord]] | None = None,
+    *,
+    sinks: Iterable | None = None,
+    **engine_args: Any,
+) -> ArrivalResult:
+    """A real engine run of ``trace`` (default :func:`chunked_trace`), each request added before the
+    step it arrives at (EOS ignored: each produces exactly its ``max_tokens``).
+
+    Args:
+        trace: ``[(arrival step, record)]``.
+        sinks: extra recorder sinks (e.g. a live monitor's).
+        **engine_args: engine arguments over :data:`~workbench.labs.runs.LAB_ENGINE_DEFAULTS` and
+            :data:`CHUNKED_ENGINE_DEFAULTS`.
+
+    Raises:
+        ValueError: bad engine arguments (before the model loads).
+    """
+    from workbench.bench.run import to_engine_prompt
+    from workbench.config import EngineConfig
+    from workbench.engine import LLM
+    from workbench.metrics import Recorder
+    from workbench.sampling import SamplingParams
+    from workbench.viz.report import summary_table
+
+    trace = sorted(trace if trace is not None else chunked_trace(), key=lambda a: a[0])
+    args = LAB_ENGINE_DEFAULTS | CHUNKED_ENGINE_DEFAULTS | engine_args
+    EngineConfig(**args).validate()
+    recorder = Recorder(list(sinks or []))
+    llm = LLM(recorder=recorder, **args)
+    eng = llm.llm_engine
+    tokenized = [eng.tokenize(to_engine_prompt(r)) for _, r in trace]
+    pending = list(zip(trace, tokenized))
+    tracked = {}
+    arrivals, prompt_tokens = {}, {}
+    schedule: list[dict[str, tuple[int, bool]]] = []
+    step = 0
+    t0 = time.perf_counter()
+    while pending or eng.has_unfinished_requests():
+        if not eng.has_unfinished_requests() and pending[0][0][0] > step:
+            step = pending[0][0][0]  # idle: the next arrival comes now
+        while pending and pending[0][0][0] <= step:
+            (at, rec), tok = pending.pop(0)
+            sp = SamplingParams(temperature=0.0, max_tokens=rec.max_tokens, ignore_eos=True)
+            eng.add_request(rec.id, to_engine_prompt(rec), sp, tokenized=tok)
+            tracked[rec.id] = eng.requests[rec.id]
+            arrivals[rec.id] = step
+            prompt_tokens[rec.id] = len(tok[0])
+        before = {rid: (r.num_computed_tokens, r.num_output_tokens == 0) for rid, r in tracked.items()}
+        eng.step()
+        done = {}
+        for rid, r in tracked.items():
+            c0, prefill = before[rid]
+            n = r.num_computed_tokens - c0
+            if n > 0:
+                done[rid] = (n, prefill)
+        schedule.append(done)
+        tracked = {rid: r for rid, r in tracked.items() if not r.is_finished}
+        step += 1
+    wall = time.perf_counter() - t0
+    recorder.close()
+    steps = [s.to_dict() for s in recorder.steps]
+    reqs = [r.to_dict() for r in recorder.requests]
+    return ArrivalResult(
+        recorder=recorder,
+        summary=summary_table(steps, reqs, wall),
+        memory=eng.memory.to_dict(),
+        wall_time_s=wall,
+        arrivals=arrivals,
+        prompt_tokens=prompt_tokens,
+        schedule=schedule,
+        engine_args=args,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+    )
+
+
+def prefill_measurements(res: ArrivalResult, prefix: str = "long-") -> list[dict]:
+    """How the engine split each long prompt (request ids starting with ``prefix``) into chunks.
+
+    Returns rows ``{"request_id", "prompt_tokens", "budget", "chunked", "arrival_step",
+    "first_token_step", "ttft_steps", "chunks", "chunk_tokens", "decodes", "alone"}``: ``chunks`` is
+    the number of steps that computed part of its prompt (from the schedule; equal to the request
+    record's ``num_prefill_chunks``), ``decodes`` the decoding requests in those steps when it was the
+    same in all of them (else ``None``), ``alone`` whether it was the only prefill in each of them.
+    """
+    rows = []
+    for rid, arrival in res.arrivals.items():
+        if not rid.startswith(prefix):
+            continue
+        chunk_steps = [i for i, s in enumerate(res.schedule) if rid in s and s[rid][1]]
+        decodes = {sum(1 for r, (n, pf) in res.schedule[i].items() if not pf) for i in chunk_steps}
+        alone = all(sum(1 for _, pf in res.schedule[i].values() if pf) == 1 for i in chunk_steps)
+        last = chunk_steps[-1] if chunk_steps else None
+        rows.append(
+            {
+                "request_id": rid,
+                "prompt_tokens": res.prompt_tokens[rid],
+                "budget": res.max_num_batched_tokens,
+                "chunked": bool(res.engine_args.get("enable_chunked_prefill", True)),
+                "arrival_step": arrival,
+                "first_token_step": last,
+                "ttft_steps": None if last is None else last - arrival + 1,
+                "chunks": len(chunk_steps),
+                "chunk_tokens": [res.schedule[i][rid][0] for i in chunk_steps],
+                "decodes": decodes.pop() if len(decodes) == 1 else None,
+                "alone": alone,
+            }
+        )
+    return rows
+
+
+def tradeoff_row(res: ArrivalResult) -> dict[str, Any]:
+    """One run's point of the trade-off (module docstring): the engine arguments, timings, and the
+    deterministic step figures."""
+    steps = res.recorder.steps
+    with_decodes = [s.num_prefill_tokens + s.num_decode_tokens for s in steps if s.num_decode_reqs > 0]
+    longs = prefill_measurements(res)
+    s = res.summary
+    chunked = bool(res.engine_args.get("enable_chunked_prefill", True))
+    budget = res.max_num_batched_tokens
+    return {
+        "label": f"B={budget} {'chunked' if chunked else 'whole'}",
+        "max_num_batched_tokens": budget,
+        "enable_chunked_prefill": chunked,
+        "steps": len(steps),
+        "max_step_tokens": max(with_decodes, default=0),
+        "long_chunks": [m["chunks"] for m in longs],
+        "long_ttft_steps": max((m["ttft_steps"] for m in longs if m["ttft_steps"] is not None), default=None),
+        "ttft_p50_s": s["ttft_p50_s"],
+        "ttft_p99_s": s["ttft_p99_s"],
+        "itl_p50_s": s["itl_p50_s"],
+        "itl_p99_s": s["itl_p99_s"],
+        "output_throughput_tok_s": s["output_throughput_tok_s"],
+    }
+
+
+def tradeoff_runs(runs: Sequence[tuple[int, bool]], *, trace=None, **engine_args: Any) -> dict[str, ArrivalResult]:
+    """:func:`arrival_run` for each ``(max_num_batched_tokens, enable_chunked_prefill)`` of ``runs``;
+    ``{label: result}`` in that order (labels as :func:`tradeoff_row`'s: ``"B=128 chunked"``).
+
+    With chunked prefill off, a prompt longer than the budget is still split (the scheduler's fallback:
+    it could never run otherwise), so such a run is not a "whole prompt" run; give off-runs a budget of
+    at least the longest prompt plus the running decodes.
+    """
+    trace = trace if trace is not None else chunked_trace()
+    out = {}
+    for budget, on in runs:
+        res = arrival_run(trace, max_num_batched_tokens=budget, enable_chunked_prefill=on, **engine_args)
+        out[tradeoff_row(res)["label"]] = res
+    return out
+
+
+def exercise_prefills(results: dict[str, ArrivalResult]) -> list[dict]:
+    """The long prompts of every chunked run whose prefill ran beside a constant number of decodes and
+    no other prefill — the cases exercise 8.1 predicts — as ``{"run", "prompt_tokens", "budget",
+    "decodes", "chunks"}``."""
+    out = []
+    for label, res in results.items():
+        for m in prefill_measurements(res):
+            if m["chunked"] and m["decodes"] is not None and m["alone"]:
+                out.append({"run": label} | {k: m[k] for k in ("prompt_tokens", "budget", "decodes", "chunks")})
+    return out
+
+
+def describe_trace(trace: Sequence[tuple[int, PromptRecord]]) -> str:
+    """One line per request: arrival step, id, prompt characters, output tokens."""
+    lines = [f"{'arrives at step':>15}  {'request':<9}  {'prompt chars':>12}  {'output tokens':>13}"]
+    for at, r in trace:
+        lines.append(f"{at:>15}  {r.id:<9}  {len(r.prompt):>12,}  {r.max_tokens:>13}")
+    return "\n".join(lines)
+
+
+def format_tradeoff(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """A fixed-width table of :func:`tradeoff_row` rows (lists joined by ``/``, seconds in ms)."""
+
+    def fmt(k, v):
+        if v is None:
+            return "-"
+        if isinstance(v, list):
+            return "/".join(str(x) for x in v)
+        if k.endswith("_s"):
+            return f"{1000 * v:,.0f} ms"
+        if isinstance(v, float):
+            return f"{v:,.1f}"
+        return str(v)
+
+    head = ["run", *columns]
+    body = [[r["label"]] + [fmt(k, r[k]) for k in columns] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    return "\n".join(
+        "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
+        for row in [head, *body]
+    )
+
+
+def tradeoff_figure(rows: Sequence[dict], *, widget: bool = False):
+    """ITL p99 against TTFT (p50 and p99) of each run, one point per token budget: chunked prefill
+    (circles, joined in budget order) and whole prompts (squares). Milliseconds."""
+    fig = (go.FigureWidget if widget else go.Figure)()
+    for on, symbol, name in ((True, "circle", "chunked prefill"), (False, "square", "whole prompts")):
+        rs = sorted((r for r in rows if r["enable_chunked_prefill"] == on), key=lambda r: r["max_num_batched_tokens"])
+        for pct, dash in (("p99", "solid"), ("p50", "dot")):
+            fig.add_scatter(
+                x=[1000 * r[f"ttft_{pct}_s"] for r in rs],
+                y=[1000 * r["itl_p99_s"] for r in rs],
+                text=[r["label"] for r in rs],
+                mode="lines+markers+text" if pct == "p99" else "lines+markers",
+                textposition="top center",
+                marker=dict(symbol=symbol, size=10 if pct == "p99" else 7),
+                line=dict(dash=dash),
+                name=f"{name}: TTFT {pct}",
+                hovertemplate="%{text}<br>TTFT %{x:,.0f} ms<br>ITL p99 %{y:,.0f} ms<extra></extra>",
+            )
+    fig.update_layout(
+        title="The token budget moves latency between first tokens and the tokens after",
+        xaxis_title="TTFT (ms)",
+        yaxis_title="inter-token latency p99 (ms)",
+        height=420,
+    )
+    return fig
+
+
+def steps_figure(results: dict[str, ArrivalResult], title: str = "Tokens per step") -> go.Figure:
+    """Prefill and decode tokens of every step, one row of bars per run (deterministic)."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=len(results), cols=1, shared_xaxes=True, subplot_titles=list(results))
+    for i, res in enumerate(results.values(), 1):
+        steps = res.recorder.steps
+        x = [s.step for s in steps]
+        fig.add_bar(
+            x=x,
+            y=[s.num_decode_tokens for s in steps],
+            name="decode",
+            marker_color="#1f77b4",
+            showlegend=i == 1,
+            row=i,
+            col=1,
+        )
+        fig.add_bar(
+            x=x,
+            y=[s.num_prefill_tokens for s in steps],
+            name="prefill",
+            marker_color="#ff7f0e",
+            showlegend=i == 1,
+            row=i,
+            col=1,
+        )
+    fig.update_layout(barmode="stack", title=title, height=160 * len(results) + 80, bargap=0)
+    fig.update_xaxes(title_text="step", row=len(results), col=1)
+    return fig
+
+
+class TradeoffPanel:
+    """A ``max_num_batched_tokens`` slider and an ``enable_chunked_prefill`` checkbox over real runs.
+
+    Each Run (or :meth:`run`) is an :func:`arrival_run` of ``trace``; its (TTFT, ITL p99) joins the
+    plot (:func:`tradeoff_figure`, a ``FigureWidget``) and its row the table in the status line.
+
+    Attributes:
+        rows: :func:`tradeoff_row` of every run, in order.
+        result: the latest :class:`ArrivalResult`.
+        error: the latest refused run's message, or ``None``.
+
+    Raises:
+        ImportError: ipywidgets / anywidget missing (``pip install 'workbench[lab]'``).
+    """
+
+    def __init__(
+        self, trace=None, *, max_num_batched_tokens: int = 128, enable_chunked_prefill: bool = True, **engine_args: Any
+    ) -> None:
+        from workbench.viz.live import _require_widgets
+
+        widgets = _require_widgets()
+        self.trace = trace if trace is not None else chunked_trace()
+        self.engine_args = engine_args
+        self.rows: list[dict] = []
+        self.result: ArrivalResult | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        style = {"description_width": "initial"}
+        self.controls = {
+            "max_num_batched_tokens": widgets.IntSlider(
+                min=16,
+                max=2048,
+                step=16,
+                value=max_num_batched_tokens,
+                description="max_num_batched_tokens",
+                style=style,
+                layout=widgets.Layout(width="60%"),
+            ),
+            "enable_chunked_prefill": widgets.Checkbox(
+                value=enable_chunked_prefill, description="enable_chunked_prefill", style=style
+            ),
+        }
+        self.button = widgets.Button(description="Run", button_style="primary", icon="play")
+        self.button.on_click(lambda _b: self._start_thread())
+        self.status = widgets.HTML(value="<code>ready: move the slider and press Run</code>")
+        self.figure = tradeoff_figure([], widget=True)
+        self.widget = widgets.VBox(
+            [widgets.HBox(list(self.controls.values())), widgets.HBox([self.button, self.status]), self.figure]
+        )
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def run(self, **values: Any) -> ArrivalResult:
+        """One run with the widgets' values (``values`` override them and move them); the Run
+        button's code path, in the calling thread.
+
+        Raises:
+            ValueError: bad engine arguments (also shown in the status line).
+        """
+        for k in values:
+            if k not in self.controls:
+                raise ValueError(f"{k!r} is not one of this panel's controls ({', '.join(self.controls)})")
+        cur = {k: w.value for k, w in self.controls.items()} | values
+        for k, v in values.items():
+            w = self.controls[k]
+            if k == "enable_chunked_prefill" or w.min <= v <= w.max:
+                w.value = v
+        with self._lock:
+            return self._run(cur)
+
+    def _start_thread(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(target=self._clicked, daemon=True)
+        self._thread.start()
+
+    def _clicked(self) -> None:
+        try:
+            with self._lock:
+                self._run({k: w.value for k, w in self.controls.items()})
+        except Exception:  # shown in the status line
+            pass
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for a run started by the button to end."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self, values: dict) -> ArrivalResult:
+        self.button.disabled = True
+        self.status.value = "<code>running…</code>"
+        try:
+            res = arrival_run(self.trace, **(self.engine_args | values))
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
+            raise
+        finally:
+            self.button.disabled = False
+        self.error = None
+        self.result = res
+        self.rows.append(tradeoff_row(res))
+        new = tradeoff_figure(self.rows)
+        with self.figure.batch_update():
+            for tr, nt in zip(self.figure.data, new.data):
+                tr.x, tr.y, tr.text = nt.x, nt.y, nt.text
+        table = format_tradeoff(self.rows, ["max_step_tokens", "long_chunks", "ttft_p99_s", "itl_p99_s"])
+        self.status.value = "<pre>" + html.escape(table) + "</pre>"
+        return res
+
+
+def itl_percentile(res: ArrivalResult, q: float, prefix: str = "decode-") -> float | None:
+    """The ``q``-th percentile of the inter-token gaps (s) of the requests whose id starts with ``prefix``."""
+    gaps = [g for r in res.recorder.requests if r.request_id.startswith(prefix) for g in r.itl_s]
+    return float(np.percentile(gaps, q)) if gaps else None

@@ -1,0 +1,711 @@
+"""The parameter matrix (chapter 7): a grid of engine arguments, one real run per point, heatmaps.
+
+A *grid* maps engine-argument names (vLLM's: ``block_size``, ``max_num_seqs``,
+``max_num_batched_tokens``, ``gpu_memory_utilization``, ``device_memory``,
+``num_gpu_blocks_override``, ``enable_chunked_prefill``) to the values to try; the sweep runs every
+combination (:func:`grid_points`, in ``itertools.product`` order, the first argument varying
+slowest). Each point is a real :func:`~workbench.labs.runs.lab_run` of the bundled model
+(:func:`run_sweep`) or a simulated server replaying a trace (:func:`sim_sweep`,
+:mod:`workbench.sim`), and becomes one *row* (:func:`sweep_row`) of figures taken from the
+engine's own records:
+
+* ``output_throughput_tok_s`` — output tokens / wall time of the run (simulated seconds in a
+  simulated run), from the run's summary (:func:`workbench.viz.report.summary_table`); a timing;
+* ``ttft_p99_s`` — 99th percentile of the requests' time to first token (s); a timing;
+* ``kv_utilization`` — mean over steps of token states / KV pool (each step's ``kv_utilization``);
+* ``preemptions`` — sum of the steps' ``num_preemptions``;
+* ``fragmentation_rate`` — mean over steps of each step's ``fragmentation_rate`` (the share of
+  occupied KV memory holding no token state, ARCHITECTURE §3);
+
+and, for the chapter's tables: ``pool_blocks`` (the memory budget's blocks), ``pool_tokens``,
+``peak_running`` (most requests running after a step: the batch size the pool allowed),
+``mean_running``, ``steps``, ``internal_fragmentation`` (share of used memory, occupancy-weighted
+as in :func:`~workbench.labs.runs.run_summary`), ``output_tokens``, ``memory`` (the engine's
+memory budget, ``MemoryBudget.to_dict()``).
+
+Timings vary from run to run and machine to machine; every other figure of a real run is
+deterministic (the lab trace fixes each request's output length), and a simulated run is
+deterministic altogether (seeded trace, simulated clock).
+
+:class:`SweepPanel` puts this behind widgets: one value list per swept argument, a Run button, a
+progress bar and one plotly ``FigureWidget`` heatmap per metric, filled cell by cell as each run
+ends. ``SweepPanel.run()`` is the same code path without a click.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+import math
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+
+from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
+
+__all__ = [
+    "METRICS",
+    "SWEEPABLE",
+    "SweepPanel",
+    "format_rows",
+    "grid_points",
+    "heatmap_figure",
+    "median_ttft_p99",
+    "point_label",
+    "run_sweep",
+    "sim_sweep",
+    "sweep_row",
+]
+
+MiB = 1 << 20
+
+#: engine arguments a sweep can vary, and the type of their values
+SWEEPABLE: dict[str, type] = {
+    "block_size": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "gpu_memory_utilization": float,
+    "device_memory": int,
+    "num_gpu_blocks_override": int,
+    "enable_chunked_prefill": bool,
+}
+
+#: metric key -> (title, unit, is a timing (varies run to run), higher is better)
+METRICS: dict[str, tuple[str, str, bool, bool]] = {
+    "output_throughput_tok_s": ("output throughput", "tok/s", True, True),
+    "ttft_p99_s": ("TTFT p99", "s", True, False),
+    "kv_utilization": ("KV utilization", "token states / pool", False, True),
+    "preemptions": ("preemptions", "count", False, False),
+    "fragmentation_rate": ("fragmentation rate", "wasted / occupied", False, False),
+}
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": MiB}
+_SIZE_UNITS |= {"g": 10**9, "gb": 10**9, "gib": 1 << 30}
+
+
+def _parse_value(name: str, text: Any) -> Any:
+    """One value of a swept argument, from Python or from a widget's text.
+
+    Raises:
+        ValueError: a value of the wrong kind, naming the argument and an example.
+    """
+    kind = SWEEPABLE[name]
+    if kind is bool:
+        if isinstance(text, bool):
+            return text
+        t = str(text).strip().lower()
+        if t in ("true", "on", "1", "yes"):
+            return True
+        if t in ("false", "off", "0", "no"):
+            return False
+        raise ValueError(f"{name}: {text!r} is not on/off; write e.g. 'True, False'")
+    if isinstance(text, bool):
+        raise ValueError(f"{name}: {text!r} is not a number")
+    if kind is float:
+        try:
+            return float(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: {text!r} is not a number; write e.g. '0.8, 0.9'") from None
+    if isinstance(text, int):
+        return text
+    if isinstance(text, float) and text.is_integer():
+        return int(text)
+    if name == "device_memory":
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+        raise ValueError(f"device_memory: {text!r} is not a size; write e.g. '640MiB, 768MiB' or bytes")
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"{name}: {text!r} is not a whole number; write e.g. '4, 16'") from None
+
+
+def normalize_grid(grid: Mapping[str, Any]) -> dict[str, list]:
+    """``{argument: [values]}`` with parsed, de-duplicated values (order kept).
+
+    A value list may be given as a list or as text (``"8, 16, 32"``; sizes such as ``"768MiB"`` for
+    ``device_memory``).
+
+    Raises:
+        ValueError: an argument that cannot be swept, an empty value list, or a bad value.
+    """
+    if not grid:
+        raise ValueError(f"the grid is empty; give at least one argument of {', '.join(SWEEPABLE)}")
+    out: dict[str, list] = {}
+    for name, values in grid.items():
+        if name not in SWEEPABLE:
+            raise ValueError(f"{name!r} cannot be swept; use one of {', '.join(SWEEPABLE)}")
+        if isinstance(values, str):
+            values = [v for v in re.split(r"[,\s]+", values.strip()) if v]
+        elif not isinstance(values, (list, tuple)):
+            values = [values]
+        parsed = []
+        for v in values:
+            p = _parse_value(name, v)
+            if p not in parsed:
+                parsed.append(p)
+        if not parsed:
+            raise ValueError(f"{name}: no value given; write e.g. {name}='{_EXAMPLES[name]}'")
+        out[name] = parsed
+    return out
+
+
+_EXAMPLES = {
+    "block_size": "8, 16, 32",
+    "max_num_seqs": "4, 16",
+    "max_num_batched_tokens": "256, 512",
+    "gpu_memory_utilization": "0.8, 0.9",
+    "device_memory": "640MiB, 768MiB",
+    "num_gpu_blocks_override": "32, 64",
+    "enable_chunked_prefill": "True, False",
+}
+
+
+def grid_points(grid: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every combination of the grid's values, the first argument varying slowest.
+
+    >>> grid_points({"block_size": [8, 16], "max_num_seqs": [4]})
+    [{'block_size': 8, 'max_num_seqs': 4}, {'block_size': 16, 'max_num_seqs': 4}]
+
+    Raises:
+        ValueError: see :func:`normalize_grid`.
+    """
+    g = normalize_grid(grid)
+    return [dict(zip(g, combo)) for combo in itertools.product(*g.values())]
+
+
+def _fmt_value(name: str, v: Any) -> str:
+    if name == "device_memory" and isinstance(v, int) and v % MiB == 0:
+        return f"{v // MiB}MiB"
+    return str(v)
+
+
+def point_label(config: Mapping[str, Any]) -> str:
+    """A short label of a grid point: ``"block_size=16, max_num_seqs=4"``."""
+    return ", ".join(f"{k}={_fmt_value(k, v)}" for k, v in config.items())
+
+
+def sweep_row(config: Mapping[str, Any], result: Any = None, error: str | None = None) -> dict[str, Any]:
+    """One grid point's figures (module docstring) from a real or simulated run.
+
+    Args:
+        config: the swept arguments' values at this point.
+        result: a :class:`~workbench.bench.run.JobResult` or :class:`~workbench.sim.run.SimResult`.
+        error: the message of a point the engine refused (its metrics are then ``None``).
+    """
+    row: dict[str, Any] = {"label": point_label(config), "config": dict(config), "error": error}
+    if result is None:
+        return row | {k: None for k in METRICS}
+    from workbench.metrics.waste import waste_breakdown
+
+    recorder = result.recorder if hasattr(result, "recorder") else result.engine.recorder
+    steps = recorder.steps
+    summ = result.summary
+    memory = result.memory if hasattr(result, "memory") else result.engine.memory.to_dict()
+    running = [s.num_running for s in steps]
+    wb = waste_breakdown([s.to_dict() for s in steps])
+    return row | {
+        "output_throughput_tok_s": summ["output_throughput_tok_s"],
+        "ttft_p99_s": summ["ttft_p99_s"],
+        "kv_utilization": summ["kv_utilization_mean_frac"],
+        "preemptions": summ["preemptions_total"],
+        "fragmentation_rate": summ["fragmentation_rate_mean_frac"],
+        "pool_blocks": memory["num_blocks"],
+        "pool_tokens": memory["num_blocks"] * memory["block_size"],
+        "peak_running": max(running, default=0),
+        "mean_running": sum(running) / len(running) if running else 0.0,
+        "steps": len(steps),
+        "internal_fragmentation": wb["used_share"]["internal_fragmentation"],
+        "output_tokens": summ["output_tokens_total"],
+        "requests_finished": summ["requests_finished"],
+        "memory": dict(memory),
+    }
+
+
+def _run_points(
+    points: Sequence[dict],
+    run_one: Callable[[dict], Any],
+    on_row: Callable[[int, dict], None] | None,
+    progress: bool | Callable,
+) -> list[dict]:
+    rows = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = (progress if callable(progress) else tqdm)(total=len(points), desc="sweep", unit="run")
+    try:
+        for i, config in enumerate(points):
+            try:
+                row = sweep_row(config, run_one(config))
+            except ValueError as e:  # the engine refused this point (e.g. no memory left for KV)
+                row = sweep_row(config, error=str(e))
+            rows.append(row)
+            if bar is not None:
+                bar.update(1)
+            if on_row is not None:
+                on_row(i, row)
+    finally:
+        if bar is not None:
+            bar.close()
+    return rows
+
+
+def _check_points(points: Sequence[dict], base: Mapping[str, Any]) -> None:
+    """Validate every point's engine arguments before the first run (no model loads)."""
+    from workbench.config import EngineConfig
+
+    for p in points:
+        args = {k: v for k, v in (dict(base) | p).items() if k in EngineConfig.__dataclass_fields__}
+        try:
+            EngineConfig(**args).validate()
+        except ValueError as e:
+            raise ValueError(f"grid point {point_label(p)}: {e}") from None
+
+
+def run_sweep(
+    grid: Mapping[str, Any],
+    *,
+    records=None,
+    on_row: Callable[[int, dict], None] | None = None,
+    progress: bool | Callable = False,
+    **engine_args: Any,
+) -> list[dict]:
+    """One real engine run (:func:`~workbench.labs.runs.lab_run`) per grid point; its rows.
+
+    Args:
+        grid: ``{argument: values}`` (:func:`grid_points`).
+        records: the requests of every run (default: :func:`~workbench.labs.runs.lab_trace`).
+        on_row: called with ``(index, row)`` as each run ends (a panel fills a heatmap cell).
+        progress: a tqdm bar of runs (or a tqdm-like factory).
+        **engine_args: fixed engine arguments under the grid's (over the lab defaults).
+
+    Returns:
+        The rows of :func:`sweep_row`, in :func:`grid_points` order; a point the engine refused
+        (e.g. a ``gpu_memory_utilization`` that leaves no memory for KV) has its ``error`` set.
+
+    Raises:
+        ValueError: a bad grid, or a point with an invalid argument (checked before any run).
+    """
+    points = grid_points(grid)
+    _check_points(points, LAB_ENGINE_DEFAULTS | engine_args)
+    recs = list(records) if records is not None else lab_trace()
+    return _run_points(points, lambda p: lab_run(recs, **(engine_args | p)), on_row, progress)
+
+
+def sim_sweep(
+    grid: Mapping[str, Any],
+    *,
+    model: str = "llama-2-70b",
+    hardware: str = "A100-80GB",
+    tensor_parallel_size: int = 4,
+    request_rate: float = 10.0,
+    duration_s: float = 20.0,
+    dataset: str = "sharegpt",
+    seed: int = 0,
+    on_row: Callable[[int, dict], None] | None = None,
+    progress: bool | Callable = False,
+    **engine_args: Any,
+) -> list[dict]:
+    """The same sweep on a simulated production server (:func:`workbench.sim.run.simulate_job`).
+
+    Every point replays one seeded trace (:func:`workbench.sim.trace.make_trace`: Poisson arrivals
+    at ``request_rate`` req/s for ``duration_s`` s, ``dataset`` lengths) on ``tensor_parallel_size``
+    simulated ``hardware`` devices serving ``model`` (a :data:`workbench.catalog.MODELS` name); the
+    real scheduler and KV manager run, the step times come from the cost model. Deterministic.
+
+    Args:
+        grid, on_row, progress: as :func:`run_sweep`.
+        **engine_args: fixed engine arguments (``max_model_len``, ...).
+
+    Returns:
+        Rows as :func:`run_sweep`'s; times (throughput, TTFT) are simulated seconds.
+
+    Raises:
+        ValueError: a bad grid or engine argument; an unknown model or hardware.
+    """
+    from workbench.catalog import MODELS
+    from workbench.sim import SimSpec, find_hardware, make_trace
+    from workbench.sim.run import simulate_job
+
+    if model not in MODELS:
+        raise ValueError(f"model={model!r} is not in the catalogue; use one of {', '.join(MODELS)}")
+    points = grid_points(grid)
+    _check_points(points, engine_args)
+    spec = SimSpec(MODELS[model], find_hardware(hardware), tensor_parallel_size)
+    trace = make_trace(request_rate, duration_s, dataset, "poisson", seed)
+
+    def one(p):
+        return simulate_job(spec, trace, output_dir=None, record_itl=False, **(engine_args | p))
+
+    return _run_points(points, one, on_row, progress)
+
+
+def format_rows(rows: Sequence[dict], columns: Sequence[str], first: str = "label") -> str:
+    """A fixed-width text table of sweep rows (``None`` shown as ``-``; shares as percentages).
+
+    ``columns`` are row keys; a point the engine refused shows ``refused`` and its error below the table.
+    """
+
+    def fmt(k, v):
+        if v is None:
+            return "-"
+        if k in ("kv_utilization", "fragmentation_rate", "internal_fragmentation"):
+            return f"{100 * v:.1f}%"
+        if isinstance(v, float):
+            return f"{v:,.2f}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
+        return str(v)
+
+    head = [first, *columns]
+    body = []
+    notes = []
+    for r in rows:
+        if r.get("error"):
+            body.append([str(r[first])] + ["refused"] + ["-"] * (len(columns) - 1))
+            notes.append(f"{r[first]}: {r['error']}")
+        else:
+            body.append([str(r[first])] + [fmt(k, r.get(k)) for k in columns])
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = []
+    for row in [head, *body]:
+        lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines + notes)
+
+
+def median_ttft_p99(rows: Sequence[dict]) -> float:
+    """The median of the rows' ``ttft_p99_s`` (s; refused points skipped): a target half of them meet.
+
+    Raises:
+        ValueError: no row has a TTFT.
+    """
+    import statistics
+
+    ts = [r["ttft_p99_s"] for r in rows if not r.get("error") and r.get("ttft_p99_s") is not None]
+    if not ts:
+        raise ValueError("no row of the sweep has a TTFT p99")
+    return float(statistics.median(ts))
+
+
+def utilization_table(rows: Sequence[dict], **where: Any) -> str:
+    """What each ``gpu_memory_utilization`` of a sweep left for the KV pool, from the engine's own budgets.
+
+    One line per row (those whose config matches ``where``, e.g. ``max_num_seqs=8``): the share, the
+    usable memory (capacity x share), weights, profiled activations, KV budget (MiB), pool blocks, the
+    batch size reached (``peak_running``) and preemptions; then how many MiB and blocks the lowest
+    share gave up against the highest, and where they came from.
+    """
+    sel = [r for r in rows if not r.get("error") and all(r["config"].get(k) == v for k, v in where.items())]
+    sel.sort(key=lambda r: r["memory"]["gpu_memory_utilization"])
+    head = (
+        "gpu_memory_utilization",
+        "usable MiB",
+        "weights MiB",
+        "activations MiB",
+        "KV budget MiB",
+        "blocks",
+        "peak running",
+        "preempted",
+    )
+    body = []
+    for r in sel:
+        m = r["memory"]
+        usable = int(m["capacity_bytes"] * m["gpu_memory_utilization"])
+        body.append(
+            (
+                f"{m['gpu_memory_utilization']:g}",
+                f"{usable / MiB:,.1f}",
+                f"{m['weights_bytes'] / MiB:,.1f}",
+                f"{m['activation_bytes'] / MiB:,.1f}",
+                f"{m['kv_budget_bytes'] / MiB:,.1f}",
+                f"{m['num_blocks']:,}",
+                str(r["peak_running"]),
+                str(r["preemptions"]),
+            )
+        )
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in [head, *body]]
+    if len(sel) >= 2:
+        lo, hi = sel[0]["memory"], sel[-1]["memory"]
+        d_usable = int(hi["capacity_bytes"] * hi["gpu_memory_utilization"]) - int(
+            lo["capacity_bytes"] * lo["gpu_memory_utilization"]
+        )
+        d_kv = hi["kv_budget_bytes"] - lo["kv_budget_bytes"]
+        d_blocks = hi["num_blocks"] - lo["num_blocks"]
+        lines.append(
+            f"from {hi['gpu_memory_utilization']:g} down to {lo['gpu_memory_utilization']:g}: {d_usable / MiB:,.1f} MiB "
+            f"less usable memory, {d_kv / MiB:,.1f} MiB of it from the KV budget "
+            f"({100 * d_kv / d_usable:.0f}%): {d_blocks:,} of {hi['num_blocks']:,} blocks "
+            f"({100 * d_blocks / hi['num_blocks']:.0f}% of the pool)"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- heatmaps
+def _axes(grid: Mapping[str, list]) -> tuple[str, list, str, list]:
+    """(x name, x values, y name, y labels): the first argument across, the others' combinations down."""
+    names = list(grid)
+    xname, xs = names[0], list(grid[names[0]])
+    rest = names[1:]
+    if not rest:
+        return xname, xs, "", [""]
+    ys = [point_label(dict(zip(rest, c))) for c in itertools.product(*(grid[n] for n in rest))]
+    return xname, xs, " × ".join(rest), ys
+
+
+def _cell(grid: Mapping[str, list], index: int) -> tuple[int, int]:
+    """(y, x) of the ``index``-th grid point in :func:`grid_points` order."""
+    names = list(grid)
+    sizes = [len(grid[n]) for n in names]
+    inner = math.prod(sizes[1:])
+    return index % inner, index // inner
+
+
+def _z_text(grid, rows: Sequence[dict | None], metric: str):
+    xname, xs, _, ys = _axes(grid)
+    z = [[None] * len(xs) for _ in ys]
+    text = [[""] * len(xs) for _ in ys]
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
+        y, x = _cell(grid, i)
+        if r.get("error"):
+            text[y][x] = "refused"
+            continue
+        v = r.get(metric)
+        if v is None:
+            continue
+        z[y][x] = float(v)
+        text[y][x] = _short(metric, v)
+    return z, text
+
+
+def _short(metric: str, v: float) -> str:
+    if metric in ("kv_utilization", "fragmentation_rate"):
+        return f"{100 * v:.1f}%"
+    if metric == "preemptions":
+        return str(int(v))
+    if metric == "ttft_p99_s":
+        return f"{v:.2f}"
+    return f"{v:,.1f}"
+
+
+def heatmap_figure(grid: Mapping[str, Any], rows: Sequence[dict | None], metric: str, *, widget: bool = False):
+    """A heatmap of one metric over the grid: the first argument across, the others down.
+
+    Cells of points not run yet are empty; refused points read "refused".
+
+    Args:
+        grid: the sweep's grid.
+        rows: rows in :func:`grid_points` order (``None`` for points not run yet).
+        metric: a key of :data:`METRICS`.
+        widget: a ``go.FigureWidget`` (for live filling) instead of a ``go.Figure``.
+
+    Raises:
+        ValueError: an unknown metric.
+    """
+    if metric not in METRICS:
+        raise ValueError(f"metric={metric!r}; use one of {', '.join(METRICS)}")
+    g = normalize_grid(grid)
+    title, unit, _, higher = METRICS[metric]
+    xname, xs, yname, ys = _axes(g)
+    z, text = _z_text(g, rows, metric)
+    fig = (go.FigureWidget if widget else go.Figure)()
+    fig.add_heatmap(
+        z=z,
+        x=[_fmt_value(xname, v) for v in xs],
+        y=ys,
+        text=text,
+        texttemplate="%{text}",
+        colorscale="Viridis" if higher else "Viridis_r",
+        colorbar=dict(title=dict(text=unit, side="right"), thickness=10),
+        hovertemplate=f"{xname}=%{{x}}<br>%{{y}}<br>{title}: %{{text}}<extra></extra>",
+        xgap=2,
+        ygap=2,
+        name=metric,
+    )
+    fig.update_layout(
+        title=dict(text=title, font_size=13),
+        xaxis=dict(title=xname, type="category"),
+        yaxis=dict(title=yname, type="category", autorange="reversed"),
+        height=max(220, 90 + 45 * len(ys)),
+        margin=dict(l=10, r=10, t=40, b=40),
+    )
+    return fig
+
+
+def heatmaps(grid, rows, metrics: Sequence[str] = tuple(METRICS)) -> list[go.Figure]:
+    """:func:`heatmap_figure` of each metric."""
+    return [heatmap_figure(grid, rows, m) for m in metrics]
+
+
+# ---------------------------------------------------------------- the panel
+class SweepPanel:
+    """Widgets + Run button + progress bar + live heatmaps, over a grid of real engine runs.
+
+    Args:
+        grid: the starting grid ``{argument: values}``; each argument gets a text widget holding
+            its values (``"8, 16, 32"``), named like the argument.
+        metrics: which heatmaps to show (keys of :data:`METRICS`), one ``go.FigureWidget`` each.
+        runner: ``runner(grid, on_row=..., **fixed)`` → rows; default :func:`run_sweep` (real runs);
+            :func:`sim_sweep` makes it a simulator panel.
+        **fixed: fixed arguments passed to the runner (``records=``, engine arguments, or the
+            simulator's ``model`` / ``hardware`` / ...).
+
+    Attributes:
+        widget: the ``ipywidgets.VBox`` to display (or display the panel itself).
+        rows: the latest sweep's rows (filled as its runs end).
+        figures: ``{metric: go.FigureWidget}``.
+        error: the message of the latest refused grid, or ``None``.
+
+    Raises:
+        ImportError: ipywidgets / anywidget missing (``pip install 'workbench[lab]'``).
+        ValueError: a bad starting grid or metric.
+    """
+
+    def __init__(
+        self,
+        grid: Mapping[str, Any],
+        *,
+        metrics: Sequence[str] = tuple(METRICS),
+        runner: Callable[..., list[dict]] = run_sweep,
+        **fixed: Any,
+    ) -> None:
+        from workbench.viz.live import _require_widgets
+
+        widgets = _require_widgets()
+        for m in metrics:
+            if m not in METRICS:
+                raise ValueError(f"metric={m!r}; use one of {', '.join(METRICS)}")
+        self.grid = normalize_grid(grid)
+        self.metrics = list(metrics)
+        self.runner = runner
+        self.fixed = dict(fixed)
+        self.rows: list[dict | None] = []
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        style = {"description_width": "initial"}
+        self.controls = {
+            name: widgets.Text(
+                value=", ".join(_fmt_value(name, v) for v in values),
+                description=name,
+                style=style,
+                layout=widgets.Layout(width="95%"),
+            )
+            for name, values in self.grid.items()
+        }
+        self.button = widgets.Button(description="Run", button_style="primary", icon="play")
+        self.button.on_click(lambda _b: self._start_thread())
+        self.progress = widgets.IntProgress(value=0, min=0, max=1, description="runs 0/0", style=style)
+        self.status = widgets.HTML(value="<code>ready: press Run</code>")
+        self.figures: dict[str, Any] = {}
+        self.plot_box = widgets.GridBox([], layout=widgets.Layout(grid_template_columns="repeat(2, 50%)"))
+        self._build_figures()
+        grid_box = widgets.GridBox(
+            list(self.controls.values()), layout=widgets.Layout(grid_template_columns="repeat(2, 50%)")
+        )
+        self.widget = widgets.VBox([grid_box, widgets.HBox([self.button, self.progress]), self.status, self.plot_box])
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def _build_figures(self) -> None:
+        self.figures = {m: heatmap_figure(self.grid, [], m, widget=True) for m in self.metrics}
+        self.plot_box.children = list(self.figures.values())
+
+    def current_grid(self) -> dict[str, list]:
+        """The grid the widgets describe.
+
+        Raises:
+            ValueError: a widget's text that is not a list of values of its argument.
+        """
+        return normalize_grid({k: w.value for k, w in self.controls.items()})
+
+    def run(self, **grid: Any) -> list[dict]:
+        """Run the sweep the widgets describe (``grid`` values, if given, replace theirs and move them).
+
+        The same code path as the Run button, in the calling thread.
+
+        Returns:
+            The rows (:func:`sweep_row`).
+
+        Raises:
+            ValueError: a bad grid (also shown in the status line; the panel keeps working).
+        """
+        for k in grid:
+            if k not in self.controls:
+                raise ValueError(f"{k!r} is not one of this panel's arguments ({', '.join(self.controls)})")
+        try:
+            g = normalize_grid({k: self.controls[k].value for k in self.controls} | grid)
+        except ValueError as e:
+            self._show_error(e)
+            raise
+        for k, v in g.items():
+            self.controls[k].value = ", ".join(_fmt_value(k, x) for x in v)
+        with self._lock:
+            return self._run(g)
+
+    def _start_thread(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(target=self._clicked, daemon=True)
+        self._thread.start()
+
+    def _clicked(self) -> None:
+        try:
+            g = self.current_grid()
+            with self._lock:
+                self._run(g)
+        except Exception as e:  # shown in the status line; the kernel stays usable
+            self._show_error(e)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for a sweep started by the button to end."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _show_error(self, e: Exception) -> None:
+        self.error = f"{type(e).__name__}: {e}"
+        self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
+
+    def _run(self, grid: dict[str, list]) -> list[dict]:
+        n = math.prod(len(v) for v in grid.values())
+        self.grid = grid
+        self.rows = [None] * n
+        self._build_figures()
+        self.progress.max, self.progress.value = n, 0
+        self.progress.description = f"runs 0/{n}"
+        self.button.disabled = True
+        self.status.value = f"<code>running {n} point(s)…</code>"
+        self.error = None
+        try:
+            rows = self.runner(grid, on_row=self._on_row, **self.fixed)
+        except Exception as e:
+            self._show_error(e)
+            raise
+        finally:
+            self.button.disabled = False
+        self.rows = rows
+        refused = [r for r in rows if r.get("error")]
+        done = f"{n - len(refused)} of {n} run(s) done"
+        if refused:
+            done += "; refused: " + "; ".join(f"{r['label']}: {r['error']}" for r in refused)
+        self.status.value = f"<code>{html.escape(done)}</code>"
+        return rows
+
+    def _on_row(self, index: int, row: dict) -> None:
+        self.rows[index] = row
+        done = sum(r is not None for r in self.rows)
+        self.progress.value = done
+        self.progress.description = f"runs {done}/{len(self.rows)}"
+        for m, fig in self.figures.items():
+            z, text = _z_text(self.grid, self.rows, m)
+            with fig.batch_update():
+                fig.data[0].z = z
+                fig.data[0].text = text
