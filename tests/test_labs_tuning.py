@@ -216,3 +216,50 @@ def test_tradeoff_panel_runs_and_plots(tiny_model):
         panel.run(max_num_batched_tokens=4)
     assert "max_num_seqs" in panel.error and "max_num_seqs" in panel.status.value
     assert math.isfinite(panel.rows[0]["itl_p99_s"])
+
+
+def test_exercise_8_1_is_checked_against_the_scheduler_even_without_measurements(capsys):
+    """A trace whose runs cannot tell answers apart (or no measured prefill at all) must not make any
+    function pass: the check also runs fixed (P, B, D) cases through the real scheduler."""
+    from workbench.labs.exercises_tuning import SCHEDULER_CASES_8_1, scheduler_prefill_chunks
+
+    for p, b, d in SCHEDULER_CASES_8_1:
+        assert scheduler_prefill_chunks(p, b, d) == reference_prefill_chunks(p, b, d)
+    assert not labs.check("8.1", lambda p, b, d: 1, measured=[])
+    assert not labs.check("8.1", lambda p, b, d: math.ceil(p / b), measured=[])
+    assert "the decodes take part" in capsys.readouterr().out
+    assert labs.check("8.1", reference_prefill_chunks, measured=[])
+    with pytest.raises(ValueError, match="leaves no token"):
+        scheduler_prefill_chunks(10, 3, 3)
+
+
+def test_bad_arguments_are_named_before_any_run(tiny_model):
+    with pytest.raises(ValueError, match="did you mean 'max_num_seqs'"):
+        sweep.run_sweep({"block_size": [16]}, model=str(tiny_model), max_num_seq=4)
+    with pytest.raises(ValueError, match="device_memory is the memory of a CPU device"):
+        sweep.sim_sweep({"device_memory": [40 << 30, 80 << 30]}, duration_s=2)
+    with pytest.raises(ValueError, match="set per run"):
+        chunked.tradeoff_runs([(64, True)], max_num_batched_tokens=-5)
+    with pytest.raises(ValueError, match="enable_chunked_prefill: bool"):
+        chunked.tradeoff_runs([(64, "yes")])
+
+
+def test_chunked_prefill_off_with_a_budget_below_the_prompt_is_labelled_so(tiny_model):
+    off = chunked.arrival_run(
+        _arrival_trace(), model=str(tiny_model), max_model_len=256, max_num_batched_tokens=64, enable_chunked_prefill=False
+    )
+    row = chunked.tradeoff_row(off)
+    assert max(row["long_chunks"]) > 1 and row["label"] == "B=64 off, split anyway"
+
+
+def test_panels_show_refused_values_in_their_status_line(tiny_model):
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("anywidget")
+    panel = chunked.TradeoffPanel(_arrival_trace(), model=str(tiny_model), max_model_len=256)
+    with pytest.raises(ValueError, match="give a number of tokens"):
+        panel.run(max_num_batched_tokens="abc")
+    assert "give a number of tokens" in panel.status.value and panel.error
+    sp = sweep.SweepPanel({"block_size": [16]}, model=str(tiny_model), max_model_len=128)
+    with pytest.raises(ValueError, match="not one of this panel's arguments"):
+        sp.run(gpu_memory_utilization="1.5")
+    assert "not one of this panel" in sp.status.value

@@ -386,3 +386,24 @@ def test_step_records_keep_only_the_steps_settling_can_still_correct():
         assert st.token_states + st.reservation + st.internal_fragmentation + st.external_fragmentation + st.free == (
             st.num_blocks * st.block_size
         )
+
+
+def test_simulate_cli_takes_sizes_names_conflicting_channel_flags_and_refused_requests(tmp_path):
+    base = ["simulate", "--model", "llama-2-70b", "--gpu", "A100-80GB", "-tp", "4", "--no-progress",
+            "--output-dir", str(tmp_path)]  # fmt: skip
+    r = CliRunner().invoke(main, [*base, "--duration", "2", "--nccl-buffsize", "1MiB", "--run-name", "a"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    from workbench.comm import nccl_buffer_bytes
+
+    assert cfg["nccl_buffsize"] == 1 << 20
+    assert cfg["memory"]["comm_buffer_bytes"] == nccl_buffer_bytes(4, buffsize=1 << 20).per_rank_bytes
+    r = CliRunner().invoke(main, [*base, "--duration", "2", "--nccl-nchannels", "4", "--nccl-max-nchannels", "16"])
+    assert r.exit_code != 0 and "give one or the other" in r.output
+    # a prompt longer than max_model_len is refused with its reason; the others run
+    r = CliRunner().invoke(main, [*base, "--duration", "20", "--max-model-len", "256", "--run-name", "b"])
+    assert r.exit_code == 0, r.output
+    reqs = [json.loads(x) for x in (tmp_path / "b" / "requests.jsonl").read_text().splitlines()]
+    refused = [q for q in reqs if q["error"]]
+    assert refused and len(refused) < len(reqs)
+    assert f"{len(refused):,} request(s) refused" in r.output and "max_model_len" in r.output

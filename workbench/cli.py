@@ -203,7 +203,9 @@ def engine_options(f=None, *, exclude: tuple[str, ...] = ()):
             help="seconds a collective waits for the other ranks before the engine fails",
         ),
         click.option(
-            "--nccl-buffsize", default=None, type=int, help="NCCL_BUFFSIZE for every rank (bytes; NCCL: 4 MiB)"
+            "--nccl-buffsize",
+            default=None,
+            help="NCCL_BUFFSIZE for every rank: a size (4MiB, 1048576) [NCCL's default: 4MiB]",
         ),
         click.option("--nccl-min-nchannels", default=None, type=int, help="NCCL_MIN_NCHANNELS for every rank"),
         click.option("--nccl-max-nchannels", default=None, type=int, help="NCCL_MAX_NCHANNELS for every rank"),
@@ -225,6 +227,8 @@ def _engine_args(kw: dict) -> dict:
     args = {k: v for k, v in kw.items() if k in keys}
     args["device_memory"] = parse_bytes(args.get("device_memory"))
     args["kv_cache_memory_bytes"] = parse_bytes(args.get("kv_cache_memory_bytes"))
+    if args.get("nccl_buffsize") is not None:
+        args["nccl_buffsize"] = parse_bytes(args["nccl_buffsize"])
     return args
 
 

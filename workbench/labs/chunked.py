@@ -241,8 +241,11 @@ def tradeoff_row(res: ArrivalResult) -> dict[str, Any]:
     s = res.summary
     chunked = bool(res.engine_args.get("enable_chunked_prefill", True))
     budget = res.max_num_batched_tokens
+    # chunked prefill off, but a prompt longer than the budget: the scheduler splits it anyway
+    forced = not chunked and any(m["chunks"] > 1 for m in longs)
+    kind = "chunked" if chunked else ("off, split anyway" if forced else "whole")
     return {
-        "label": f"B={budget} {'chunked' if chunked else 'whole'}",
+        "label": f"B={budget} {kind}",
         "max_num_batched_tokens": budget,
         "enable_chunked_prefill": chunked,
         "steps": len(steps),
@@ -265,6 +268,14 @@ def tradeoff_runs(runs: Sequence[tuple[int, bool]], *, trace=None, **engine_args
     it could never run otherwise), so such a run is not a "whole prompt" run; give off-runs a budget of
     at least the longest prompt plus the running decodes.
     """
+    for name in ("max_num_batched_tokens", "enable_chunked_prefill"):
+        if name in engine_args:
+            raise ValueError(f"{name} is set per run: give (max_num_batched_tokens, enable_chunked_prefill) pairs in runs")
+    for budget, on in runs:
+        if isinstance(budget, bool) or not isinstance(budget, int) or not isinstance(on, bool):
+            raise ValueError(
+                f"each run is (max_num_batched_tokens: int, enable_chunked_prefill: bool), got ({budget!r}, {on!r})"
+            )
     trace = trace if trace is not None else chunked_trace()
     out = {}
     for budget, on in runs:
@@ -435,9 +446,18 @@ class TradeoffPanel:
         Raises:
             ValueError: bad engine arguments (also shown in the status line).
         """
-        for k in values:
+        for k, v in values.items():
+            why = None
             if k not in self.controls:
-                raise ValueError(f"{k!r} is not one of this panel's controls ({', '.join(self.controls)})")
+                why = f"{k!r} is not one of this panel's controls ({', '.join(self.controls)})"
+            elif k == "enable_chunked_prefill" and not isinstance(v, bool):
+                why = f"enable_chunked_prefill={v!r}: give True or False"
+            elif k == "max_num_batched_tokens" and (isinstance(v, bool) or not isinstance(v, int)):
+                why = f"max_num_batched_tokens={v!r}: give a number of tokens (an int)"
+            if why is not None:
+                self.error = f"ValueError: {why}"
+                self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
+                raise ValueError(why)
         cur = {k: w.value for k, w in self.controls.items()} | values
         for k, v in values.items():
             w = self.controls[k]

@@ -101,4 +101,8 @@ class _BlocksLost:
                 "buffers // block_bytes ignores the part-block the budget already had left over: "
                 "compare the two budgets' whole blocks"
             )
-        return False, f"{answer!r} is not it"
+        side = "too many" if x > want else "too few"
+        return False, (
+            f"{answer!r} is {side}: the buffers take {est.per_rank_bytes / 2**20:,.1f} MiB per GPU and a block is "
+            f"{budget['block_bytes']:,} B; count the budget's whole blocks with and without the buffers"
+        )

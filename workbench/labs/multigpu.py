@@ -14,6 +14,9 @@ what that does to the simulator's throughput and latency.
 
 Panels (:class:`TPRunPanel`, :class:`TPSimPanel`, :class:`BufferPanel`) are ipywidgets named
 like the engine arguments; their ``run()`` is the Run button's code path, without a click.
+
+From a script (not a notebook), put the tensor-parallel runs under ``if __name__ == "__main__":``:
+the worker processes are spawned, and each re-imports the script (Python's multiprocessing rule).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import html
 import math
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -834,7 +838,7 @@ def measured_buffer_lines(tensor_parallel_size: int | None = None, **nccl_args: 
 
 
 # ====================================================================== panels
-class _Panel:
+class _Panel(ABC):
     """Widgets + Run button + status line; ``run(**overrides)`` is the button's code path."""
 
     controls: dict
@@ -868,7 +872,9 @@ class _Panel:
         can show them). Raises what the run raises (also shown in the status line)."""
         for k in overrides:
             if k not in self.controls:
-                raise ValueError(f"unknown control {k!r}; this panel has {', '.join(self.controls)}")
+                self.error = f"ValueError: unknown control {k!r}; this panel has {', '.join(self.controls)}"
+                self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
+                raise ValueError(self.error.removeprefix("ValueError: "))
         values = self.current_values() | overrides
         for k, v in overrides.items():
             c = self.controls[k]
@@ -914,11 +920,13 @@ class _Panel:
         self.status.value = "<pre>" + html.escape(self._describe(values, res)) + "</pre>"
         return res
 
-    def _run(self, values):  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abstractmethod
+    def _run(self, values):
+        """Start the panel's run (a real engine run or a simulator run) for these widget values."""
 
-    def _describe(self, values, res) -> str:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abstractmethod
+    def _describe(self, values, res) -> str:
+        """The status line after a successful run."""
 
 
 class TPRunPanel(_Panel):

@@ -257,8 +257,18 @@ def _run_points(
 
 def _check_points(points: Sequence[dict], base: Mapping[str, Any]) -> None:
     """Validate every point's engine arguments before the first run (no model loads)."""
+    import difflib
+
     from workbench.config import EngineConfig
 
+    fields = [k for k in EngineConfig.__dataclass_fields__ if k != "extra"]
+    for name in base:
+        if name not in fields:
+            near = difflib.get_close_matches(name, fields, n=1)
+            raise ValueError(
+                f"{name!r} is not an engine argument"
+                + (f"; did you mean {near[0]!r}?" if near else f"; engine arguments: {', '.join(sorted(fields))}")
+            )
     for p in points:
         args = {k: v for k, v in (dict(base) | p).items() if k in EngineConfig.__dataclass_fields__}
         try:
@@ -334,6 +344,11 @@ def sim_sweep(
 
     if model not in MODELS:
         raise ValueError(f"model={model!r} is not in the catalogue; use one of {', '.join(MODELS)}")
+    if "device_memory" in grid or "device_memory" in engine_args:
+        raise ValueError(
+            "device_memory is the memory of a CPU device; a simulated GPU's memory is its catalogue's "
+            f"({hardware!r}): sweep gpu_memory_utilization or kv_cache_memory_bytes, or choose another hardware"
+        )
     points = grid_points(grid)
     _check_points(points, engine_args)
     spec = SimSpec(MODELS[model], find_hardware(hardware), tensor_parallel_size)
@@ -638,10 +653,13 @@ class SweepPanel:
         Raises:
             ValueError: a bad grid (also shown in the status line; the panel keeps working).
         """
-        for k in grid:
-            if k not in self.controls:
-                raise ValueError(f"{k!r} is not one of this panel's arguments ({', '.join(self.controls)})")
         try:
+            for k in grid:
+                if k not in self.controls:
+                    raise ValueError(
+                        f"{k!r} is not one of this panel's arguments ({', '.join(self.controls)}); the swept "
+                        "arguments are fixed when the panel is made: make a SweepPanel with it in its grid"
+                    )
             g = normalize_grid({k: self.controls[k].value for k in self.controls} | grid)
         except ValueError as e:
             self._show_error(e)

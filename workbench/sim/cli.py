@@ -158,6 +158,13 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
     args = _engine_args(kw)
     seed = args.pop("seed", 0)
     args.pop("device_memory", None)
+    if nccl_nchannels is not None and (
+        args.get("nccl_min_nchannels") is not None or args.get("nccl_max_nchannels") is not None
+    ):
+        raise click.UsageError(
+            "--nccl-nchannels sets the channel count of the buffer model directly; --nccl-min-nchannels / "
+            "--nccl-max-nchannels bound NCCL's own choice: give one or the other"
+        )
     try:
         spec = _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels,
                      calibration)  # fmt: skip
@@ -197,6 +204,11 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+    refused = [r for r in eng.recorder.requests if r.error]
+    if refused:
+        console.print(
+            f"{len(refused):,} request(s) refused, each with its reason in requests.jsonl; the first: {refused[0].error}"
+        )
     if res.run_dir is not None:
         console.print(f"report:   {res.run_dir / 'report.html'}")
         console.print(f"steps:    {res.run_dir / 'steps.jsonl'}")

@@ -9,9 +9,10 @@ Figures are the vendors' datasheet figures for the SXM (or the only) form factor
   total (bidirectional) NVLink figure, or one direction of the PCIe slot for cards without
   NVLink; a ring all-reduce moves data in one direction around the ring;
 * ``link_latency_s``: latency of one hop of a ring collective. Datasheets do not state it; the
-  values are the order of magnitude of NCCL's tuning model (``src/graph/tuning.cc``: hardware
-  latencies of about 1 µs per NVLink hop, 2 µs per PCIe hop, plus a few µs of protocol
-  overhead per step), labelled as assumptions in ``link_source``.
+  catalogue uses 2 µs per NVLink hop and 5 µs per PCIe hop: the order of magnitude of NCCL's
+  tuning model (``src/graph/tuning.cc``: hardware latencies of about 1 µs per NVLink hop and 2 µs
+  per PCIe hop, plus a few µs of protocol overhead per step), labelled as assumptions in
+  ``link_source``.
 
 Capacity (``memory_bytes``) follows :mod:`workbench.catalog`'s convention (datasheet GB read
 as GiB) and, for the GPUs ``workbench kv-calc`` knows, is taken from its ``GPUS`` entry so that
