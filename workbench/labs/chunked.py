@@ -35,6 +35,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from workbench.bench.datasets import PromptRecord, default_prompts
+from workbench.labs.panel import RunButtonThread
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS
 
 __all__ = [
@@ -385,7 +386,7 @@ def steps_figure(results: dict[str, ArrivalResult], title: str = "Tokens per ste
     return fig
 
 
-class TradeoffPanel:
+class TradeoffPanel(RunButtonThread):
     """A ``max_num_batched_tokens`` slider and an ``enable_chunked_prefill`` checkbox over real runs.
 
     Each Run (or :meth:`run`) is an :func:`arrival_run` of ``trace``; its (TTFT, ITL p99) joins the
@@ -466,23 +467,12 @@ class TradeoffPanel:
         with self._lock:
             return self._run(cur)
 
-    def _start_thread(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._thread = threading.Thread(target=self._clicked, daemon=True)
-        self._thread.start()
-
     def _clicked(self) -> None:
         try:
             with self._lock:
                 self._run({k: w.value for k, w in self.controls.items()})
         except Exception:  # shown in the status line
             pass
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for a run started by the button to end."""
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     def _run(self, values: dict) -> ArrivalResult:
         self.button.disabled = True

@@ -24,12 +24,13 @@ from __future__ import annotations
 import html
 import math
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
 
+from workbench.labs.panel import RunButtonThread
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
 
 MiB = 1 << 20
@@ -838,7 +839,7 @@ def measured_buffer_lines(tensor_parallel_size: int | None = None, **nccl_args: 
 
 
 # ====================================================================== panels
-class _Panel(ABC):
+class _Panel(RunButtonThread):
     """Widgets + Run button + status line; ``run(**overrides)`` is the button's code path."""
 
     controls: dict
@@ -885,23 +886,12 @@ class _Panel(ABC):
         with self._lock:
             return self._guarded(values)
 
-    def _start_thread(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._thread = threading.Thread(target=self._clicked, daemon=True)
-        self._thread.start()
-
     def _clicked(self) -> None:
         try:
             with self._lock:
                 self._guarded(self.current_values())
         except Exception:  # shown in the status line; the kernel stays usable
             pass
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for a run started by the button to end."""
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     def _guarded(self, values: dict[str, Any]):
         self.button.disabled = True

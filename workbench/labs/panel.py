@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,7 +81,30 @@ def _accepts(widget, value) -> bool:
     return isinstance(value, type(widget.value))
 
 
-class RunPanel:
+class RunButtonThread(ABC):
+    """The Run button's thread, shared by the chapters' panels: a click runs the panel's
+    ``_clicked`` in a daemon thread (one at a time), so that the kernel stays free to redraw the
+    live plots while the run goes on; :meth:`wait` joins it. A panel implements ``_clicked``."""
+
+    _thread: threading.Thread | None = None
+
+    def _start_thread(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(target=self._clicked, daemon=True)
+        self._thread.start()
+
+    @abstractmethod
+    def _clicked(self) -> None:
+        """Run with the widgets' values; errors go to the status line (the thread has no caller)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for a run started by the Run button to end."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class RunPanel(RunButtonThread):
     """Widgets + Run button + live KV-pool plot, over real engine runs.
 
     Args:
@@ -180,23 +204,12 @@ class RunPanel:
         with self._lock:
             return self._run(values)
 
-    def _start_thread(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._thread = threading.Thread(target=self._clicked, daemon=True)
-        self._thread.start()
-
     def _clicked(self) -> None:
         try:
             with self._lock:
                 self._run(self.current_values())
         except Exception:  # shown in the status line; the kernel stays usable
             pass
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for a run started by the button to end."""
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     def _run(self, values: dict[str, Any]):
         engine_args = {k: v for k, v in values.items() if k not in _TRACE_ARGS}

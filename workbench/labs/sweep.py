@@ -44,6 +44,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from workbench.labs.panel import RunButtonThread
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
 
 __all__ = [
@@ -560,7 +561,7 @@ def heatmaps(grid, rows, metrics: Sequence[str] = tuple(METRICS)) -> list[go.Fig
 
 
 # ---------------------------------------------------------------- the panel
-class SweepPanel:
+class SweepPanel(RunButtonThread):
     """Widgets + Run button + progress bar + live heatmaps, over a grid of real engine runs.
 
     Args:
@@ -669,12 +670,6 @@ class SweepPanel:
         with self._lock:
             return self._run(g)
 
-    def _start_thread(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._thread = threading.Thread(target=self._clicked, daemon=True)
-        self._thread.start()
-
     def _clicked(self) -> None:
         try:
             g = self.current_grid()
@@ -682,11 +677,6 @@ class SweepPanel:
                 self._run(g)
         except Exception as e:  # shown in the status line; the kernel stays usable
             self._show_error(e)
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for a sweep started by the button to end."""
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     def _show_error(self, e: Exception) -> None:
         self.error = f"{type(e).__name__}: {e}"
