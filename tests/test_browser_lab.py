@@ -215,6 +215,8 @@ def test_chapter7_sweep_panel_fills_its_heatmaps_in_a_real_browser(jupyterlab):
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
         # run the cells up to the panel's (the first one whose source builds a SweepPanel), one by one
         cells = page.locator(".jp-Notebook .jp-Cell")
+        # the editors fill in after the cells appear: wait for the panel's source before reading them
+        page.locator(".jp-InputArea-editor", has_text="SweepPanel(").first.wait_for(timeout=120_000)
         sources = cells.locator(".jp-InputArea-editor").all_inner_texts()
         last = next(i for i, s in enumerate(sources) if "SweepPanel(" in s)
         cells.nth(0).click()
