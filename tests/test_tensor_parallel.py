@@ -317,6 +317,28 @@ def test_hung_worker_fails_the_engine_after_the_timeout(tiny_model, no_leftovers
     assert _gone(pids)
 
 
+def test_script_without_main_guard_fails_fast_and_says_why(tiny_model, tmp_path):
+    """A script that builds a TP engine at module level: each spawned worker re-runs it and dies while
+    bootstrapping. The engine must say so at once (not after ``distributed_timeout_s``) and name the fix."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from workbench import LLM\n"
+        f"llm = LLM({str(tiny_model)!r}, tensor_parallel_size=2, distributed_timeout_s=600, **{TINY!r})\n"
+        "print('engine built')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    waited = time.monotonic() - t0
+    assert res.returncode != 0
+    assert "engine built" not in res.stdout
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("workbench.executor.tensor_parallel.TensorParallelError"), res.stderr[-3000:]
+    assert "rank 1" in last and "before it joined the group" in last, last
+    assert 'if __name__ == "__main__":' in last, last
+    assert waited < 300  # not the 600 s distributed_timeout_s
+
+
 def test_cli_flags_reach_the_engine(tiny_model):
     import click
     from click.testing import CliRunner

@@ -19,7 +19,10 @@ Processes and groups:
   collective; step messages travel on a separate gloo group (pickled, length first) whose
   timeout is long, so an idle engine does not time its workers out.
 
-Failure behaviour: a watchdog thread in rank 0 polls the workers; when one exits it kills
+Failure behaviour: a spawned worker first tells rank 0 over a pipe that it has bootstrapped;
+one that dies before (a script without the ``__main__`` guard, for one) fails the engine at
+once, with a message naming the guard, instead of leaving rank 0 in the rendezvous for
+``distributed_timeout_s``. After that a watchdog thread in rank 0 polls the workers; when one exits it kills
 the others, so the collective rank 0 is in fails at once (gloo reports the closed
 connection); a worker that hangs makes rank 0's next collective time out after
 ``distributed_timeout_s``. Either way the engine raises :class:`TensorParallelError` naming
@@ -268,8 +271,26 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _worker_main(rank: int, world_size: int, spec: dict) -> None:
-    """Entry of a spawned worker (module level: ``spawn`` pickles it by name)."""
+def _bootstrap_hint() -> str:
+    """Why a spawned worker may die before it starts, when the engine's process runs a script."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or getattr(sys, "ps1", None) is not None:
+        return " Its traceback is printed on stderr."
+    return (
+        f" Its traceback is printed on stderr. A spawned worker is a fresh interpreter that re-runs the script "
+        f"that started the engine ({os.path.basename(path)}); if that script builds the engine at module level, "
+        f'each worker tries to start workers of its own and dies. Put that code under if __name__ == "__main__": '
+        f'(Python docs, multiprocessing: "Safe importing of main module")'
+    )
+
+
+def _worker_main(rank: int, world_size: int, spec: dict, ready=None) -> None:
+    """Entry of a spawned worker (module level: ``spawn`` pickles it by name). ``ready``: the pipe on
+    which it tells rank 0 that it has bootstrapped (see ``TensorParallelExecutor._await_workers``)."""
+    if ready is not None:
+        ready.send(os.getpid())
+        ready.close()
     os.environ.update(spec["env"])
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
     if spec["threads"]:
@@ -438,10 +459,15 @@ class TensorParallelExecutor:
                     init_method=init_method,
                 )
                 ctx = torch.multiprocessing.get_context("spawn")
+                ready = []
                 for r in range(1, n):
-                    p = ctx.Process(target=_worker_main, args=(r, n, spec), daemon=True, name=f"workbench-tp-{r}")
+                    recv, send = ctx.Pipe(duplex=False)
+                    p = ctx.Process(target=_worker_main, args=(r, n, spec, send), daemon=True, name=f"workbench-tp-{r}")
                     p.start()
+                    send.close()  # the worker holds the other copy: EOF here means it is gone
                     rt.procs.append(p)
+                    ready.append(recv)
+                self._await_workers(ready)
                 threading.Thread(target=rt.watch, daemon=True, name="workbench-tp-watchdog").start()
                 dist.init_process_group(backend, init_method=init_method, rank=0, world_size=n, timeout=timeout)
             else:
@@ -455,6 +481,8 @@ class TensorParallelExecutor:
                 timeout,
             )
             self._rank = _Rank(0, n, {"state_dict": state_dict, **self._setup(config, hf_config, max_model_len)})
+        except TensorParallelError:
+            raise
         except Exception as e:
             self._fail(e, "starting the tensor-parallel group")
         self.model = self._rank.model
@@ -479,6 +507,56 @@ class TensorParallelExecutor:
         return dict(
             hf_config=hf_config, max_model_len=max_model_len, dtype=config.torch_dtype, device=str(config.torch_device)
         )
+
+    def _await_workers(self, ready: list) -> None:
+        """Wait until every spawned worker has bootstrapped (it sends one message on its pipe), before
+        rank 0 enters the rendezvous, which a dead worker would leave waiting for ``distributed_timeout_s``.
+
+        Raises:
+            TensorParallelError: a worker exited before it joined the group (for a script without the
+                ``if __name__ == "__main__":`` guard, the message says so), or none of this within
+                ``distributed_timeout_s``. Every worker is stopped first.
+        """
+        from multiprocessing.connection import wait
+
+        rt = self._rt
+        pending = dict(enumerate(zip(ready, rt.procs, strict=True), start=1))
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    ranks = ", ".join(f"rank {r} (pid {p.pid})" for r, (_, p) in pending.items())
+                    self._refuse_start(
+                        f"tensor-parallel worker {ranks} did not start within distributed_timeout_s="
+                        f"{self.timeout_s:g} s; all workers were stopped. Raise distributed_timeout_s if this machine is slow "
+                        f"to start Python processes"
+                    )
+                wait([c for c, _ in pending.values()] + [p.sentinel for _, p in pending.values()], min(left, 1.0))
+                for r, (conn, p) in list(pending.items()):
+                    if conn.poll():
+                        try:
+                            conn.recv()
+                            del pending[r]
+                            continue
+                        except EOFError:
+                            pass
+                    elif p.exitcode is None:
+                        continue
+                    p.join(5)
+                    self._refuse_start(
+                        f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode} "
+                        f"before it joined the group; all workers were stopped.{_bootstrap_hint()}"
+                    )
+        finally:
+            for conn in ready:
+                conn.close()
+
+    def _refuse_start(self, message: str):
+        rt = self._rt
+        rt.failure = message
+        rt.close(graceful=False)
+        raise TensorParallelError(message)
 
     # ------------------------------------------------------------------ failure
     def _fail(self, error: BaseException, doing: str):
