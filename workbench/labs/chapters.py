@@ -425,7 +425,7 @@ def preemption_runs(records=None, **engine_args) -> dict[str, Any]:
 # ---------------------------------------------------------------- printing and figures used by several chapters
 def print_kv_table(models: Sequence[str], dtype: str = "float16", block_size: int = 16) -> None:
     """KV bytes per token and per block of catalogue models (``workbench kv-calc``), one line each."""
-    from workbench.kvcalc import fmt_bytes, kv_calc
+    from workbench.kvcalc import KV_DTYPES, fmt_bytes, kv_calc
 
     print(
         f"{'model':<14} {'layers':>6} {'KV heads':>8} {'head_dim':>8} {'KV/token':>12} {'block of ' + str(block_size):>12}"
@@ -437,6 +437,8 @@ def print_kv_table(models: Sequence[str], dtype: str = "float16", block_size: in
             f"{m:<14} {a.num_hidden_layers:>6} {a.num_key_value_heads:>8} {a.head_dim:>8} "
             f"{fmt_bytes(r.kv_bytes_per_token):>12} {fmt_bytes(r.block_bytes):>12}"
         )
+    elem = KV_DTYPES[dtype].itemsize
+    print(f"(K and V of every layer, a {dtype} cache: {elem} bytes per element; one GPU, no tensor parallelism)")
 
 
 def print_fits(cases: Sequence[tuple[str, str, int]], seq_len: int = 4096, gpu_memory_utilization: float = 0.9) -> None:

@@ -552,7 +552,13 @@ def heatmap_figure(grid: Mapping[str, Any], rows: Sequence[dict | None], metric:
         height=max(220, 90 + 45 * len(ys)),
         margin=dict(l=10, r=10, t=40, b=40),
     )
+    if widget:  # the panel lays them out in columns of this width: a fixed width keeps the colorbar in view
+        fig.update_layout(width=PANEL_FIGURE_WIDTH)
     return fig
+
+
+#: Width (px) of each live heatmap in :class:`SweepPanel`.
+PANEL_FIGURE_WIDTH = 420
 
 
 def heatmaps(grid, rows, metrics: Sequence[str] = tuple(METRICS)) -> list[go.Figure]:
@@ -621,7 +627,10 @@ class SweepPanel(RunButtonThread):
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="runs 0/0", style=style)
         self.status = widgets.HTML(value="<code>ready: press Run</code>")
         self.figures: dict[str, Any] = {}
-        self.plot_box = widgets.GridBox([], layout=widgets.Layout(grid_template_columns="repeat(2, 50%)"))
+        self.plot_box = widgets.GridBox(  # as many columns as fit, each as wide as a figure
+            [],
+            layout=widgets.Layout(grid_template_columns=f"repeat(auto-fill, minmax({PANEL_FIGURE_WIDTH + 10}px, 1fr))"),
+        )
         self._build_figures()
         grid_box = widgets.GridBox(
             list(self.controls.values()), layout=widgets.Layout(grid_template_columns="repeat(2, 50%)")
