@@ -263,3 +263,14 @@ def test_panels_show_refused_values_in_their_status_line(tiny_model):
     with pytest.raises(ValueError, match="not one of this panel's arguments"):
         sp.run(gpu_memory_utilization="1.5")
     assert "not one of this panel" in sp.status.value
+
+
+def test_chapter_modules_are_reached_from_the_package():
+    import importlib
+
+    from workbench import labs
+
+    for name in ("sweep", "chunked", "multigpu", "chapters"):
+        assert getattr(labs, name) is importlib.import_module(f"workbench.labs.{name}")
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        labs.nope  # noqa: B018

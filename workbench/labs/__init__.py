@@ -4,7 +4,13 @@
 - :mod:`workbench.labs.panel` — :class:`RunPanel`, widgets named like the engine arguments with a
   Run button and a live plot (``workbench[lab]``);
 - :mod:`workbench.labs.exercises` — self-checking exercises (:func:`check`), solutions verified;
-- :mod:`workbench.labs.chapters` — each chapter's measurements and figures.
+- :mod:`workbench.labs.chapters` — each chapter's measurements and figures (chapters 1-6);
+- :mod:`workbench.labs.sweep` — chapter 7: the parameter matrix (:class:`~workbench.labs.sweep.SweepPanel`,
+  real and simulated sweeps, heatmaps);
+- :mod:`workbench.labs.chunked` — chapter 8: chunked prefill and the ITL / TTFT trade-off;
+- :mod:`workbench.labs.multigpu` — chapters 9 and 10: tensor parallelism and NCCL buffers.
+
+The chapter modules are loaded on first use (``labs.sweep`` works after ``from workbench import labs``).
 """
 
 from workbench.labs.exercises import EXERCISES, check, solution
@@ -24,12 +30,20 @@ __all__ = [
 ]
 
 
+#: chapter modules, imported on first use (they import plotly, widgets, the simulator)
+_MODULES = ("chapters", "chunked", "multigpu", "panel", "sweep")
+
+
 def __getattr__(name):  # the panel imports ipywidgets: only when asked for
     if name == "RunPanel":
         from workbench.labs.panel import RunPanel
 
         return RunPanel
-    raise AttributeError(name)
+    if name in _MODULES:
+        import importlib
+
+        return importlib.import_module(f"workbench.labs.{name}")
+    raise AttributeError(f"module 'workbench.labs' has no attribute {name!r}")
 
 
 def setup(quiet: bool = True) -> None:
