@@ -70,3 +70,12 @@ def test_run_bad_argument_is_a_clear_error(tmp_path):
     res = CliRunner().invoke(main, ["run", "--block-size", "12", "--output-dir", str(tmp_path)])
     assert res.exit_code != 0
     assert "block_size=12" in res.output and "power of two" in res.output
+
+
+def test_run_refused_by_the_engine_leaves_no_run_folder(tmp_path):
+    """A size the engine refuses (the bundled model splits over 1 or 3 ranks, not 2) fails before any
+    worker starts, and the run folder made for it is removed."""
+    res = CliRunner().invoke(main, ["run", "-tp", "2", "--output-dir", str(tmp_path)])
+    assert res.exit_code != 0
+    assert "tensor_parallel_size=2" in res.output and "use one of [1, 3]" in res.output
+    assert list(tmp_path.iterdir()) == []

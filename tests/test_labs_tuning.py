@@ -274,3 +274,11 @@ def test_chapter_modules_are_reached_from_the_package():
         assert getattr(labs, name) is importlib.import_module(f"workbench.labs.{name}")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         labs.nope  # noqa: B018
+
+
+def test_heatmap_refuses_more_rows_than_grid_points():
+    grid = {"block_size": [8, 16], "max_num_seqs": [2, 4]}
+    rows = [{"output_throughput_tok_s": 1.0}] * 5
+    with pytest.raises(ValueError, match="5 rows for a grid of 4 points"):
+        sweep.heatmap_figure(grid, rows, "output_throughput_tok_s")
+    sweep.heatmap_figure(grid, rows[:2], "output_throughput_tok_s")  # fewer: the rest not run yet

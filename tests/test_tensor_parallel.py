@@ -336,6 +336,9 @@ def test_script_without_main_guard_fails_fast_and_says_why(tiny_model, tmp_path)
     assert last.startswith("workbench.executor.tensor_parallel.TensorParallelError"), res.stderr[-3000:]
     assert "rank 1" in last and "before it joined the group" in last, last
     assert 'if __name__ == "__main__":' in last, last
+    # the workers say the same, before loading any weights, and no empty error is printed
+    assert res.stderr.count("is a tensor-parallel worker that is re-running the script") == 1, res.stderr[-3000:]
+    assert "RuntimeError: ." not in res.stderr
     assert waited < 300  # not the 600 s distributed_timeout_s
 
 

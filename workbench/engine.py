@@ -109,6 +109,10 @@ class LLMEngine:
         self.recorder = recorder or Recorder()
         torch.manual_seed(config.seed)
         self.device = config.torch_device
+        if config.uses_workers:
+            from workbench.executor.tensor_parallel import check_not_bootstrapping
+
+            check_not_bootstrapping()  # before the weights: a worker re-running an unguarded script
         t0 = time.perf_counter()
         loaded = load_model(config.model, config.resolved_cache_dir, config.tokenizer)
         self.hf_config = loaded.hf_config
@@ -734,6 +738,9 @@ class LLM:
                     )
                     last_postfix = now
         if bar is not None:
+            if eng.recorder.steps:  # the last step's figures, not the last refresh's
+                s = eng.recorder.steps[-1]
+                bar.set_postfix(step=s.step, running=s.num_running, waiting=s.num_waiting, kv=f"{s.kv_utilization:.0%}")
             bar.close()
         return [results[i] for i in ids]
 

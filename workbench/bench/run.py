@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -138,8 +139,10 @@ def run_job(
             expected_output_lens = [max(1, len(o.outputs[0].token_ids)) for o in pre.outputs]
     run_dir = None
     sinks = list(sinks or [])
+    created = False
     if output_dir is not None:
         run_dir = Path(output_dir) / (run_name or datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
+        created = not run_dir.exists()
         sinks.append(JsonlSink(run_dir))
     if llm is not None:
         # a fresh recorder holds only this job's steps; live sinks already attached (a LiveMonitor)
@@ -147,7 +150,13 @@ def run_job(
         sinks += [k for k in llm.llm_engine.recorder.sinks if not isinstance(k, JsonlSink)]
     recorder = Recorder(sinks)
     if llm is None:
-        llm = LLM(recorder=recorder, **engine_args)
+        try:
+            llm = LLM(recorder=recorder, **engine_args)
+        except BaseException:
+            recorder.close()
+            if created:  # refused before it ran: leave no empty run folder behind
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
     else:
         llm.llm_engine.recorder = recorder
     eng = llm.llm_engine

@@ -271,6 +271,22 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+def check_not_bootstrapping() -> None:
+    """Refuse to start a tensor-parallel group from a spawned process that is still importing its
+    parent's main module: the parent script builds the engine at module level, without the
+    ``if __name__ == "__main__":`` guard, and this process is one of its workers re-running it.
+
+    Raises:
+        TensorParallelError: in that case, naming the guard (the parent reports the same).
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # what spawn itself checks
+        raise TensorParallelError(
+            "this process is a tensor-parallel worker that is re-running the script which started the engine "
+            "(spawn imports the main module again), and that script builds the engine at module level. Put that "
+            'code under if __name__ == "__main__": (Python docs, multiprocessing: "Safe importing of main module").'
+        )
+
+
 def _bootstrap_hint() -> str:
     """Why a spawned worker may die before it starts, when the engine's process runs a script."""
     main = sys.modules.get("__main__")
@@ -281,7 +297,7 @@ def _bootstrap_hint() -> str:
         f" Its traceback is printed on stderr. A spawned worker is a fresh interpreter that re-runs the script "
         f"that started the engine ({os.path.basename(path)}); if that script builds the engine at module level, "
         f'each worker tries to start workers of its own and dies. Put that code under if __name__ == "__main__": '
-        f'(Python docs, multiprocessing: "Safe importing of main module")'
+        f'(Python docs, multiprocessing: "Safe importing of main module").'
     )
 
 
@@ -411,6 +427,7 @@ class TensorParallelExecutor:
     """
 
     def __init__(self, config, hf_config, state_dict, max_model_len: int, world_size: int | None = None) -> None:
+        check_not_bootstrapping()
         n = config.tensor_parallel_size if world_size is None else world_size
         check_tensor_parallel(hf_config, n, name=f"model={config.model!r}")
         self.world_size = n
@@ -568,7 +585,8 @@ class TensorParallelExecutor:
         reason = rt.failure
         rt.failure = rt.failure or str(error)
         rt.close(graceful=False)
-        detail = reason or f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        detail = reason or f"{type(error).__name__}: {first}"
         raise TensorParallelError(
             f"tensor-parallel group failed while {doing}: {detail}. All workers were stopped; create a new engine "
             f"(distributed_timeout_s={self.timeout_s:g} bounds how long a hung worker is waited for)"

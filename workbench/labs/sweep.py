@@ -484,6 +484,11 @@ def _cell(grid: Mapping[str, list], index: int) -> tuple[int, int]:
 
 def _z_text(grid, rows: Sequence[dict | None], metric: str):
     xname, xs, _, ys = _axes(grid)
+    n = math.prod(len(v) for v in grid.values())
+    if len(rows) > n:
+        raise ValueError(
+            f"{len(rows)} rows for a grid of {n} points; give one row per point of grid_points(grid), in its order"
+        )
     z = [[None] * len(xs) for _ in ys]
     text = [[""] * len(xs) for _ in ys]
     for i, r in enumerate(rows):
@@ -523,7 +528,7 @@ def heatmap_figure(grid: Mapping[str, Any], rows: Sequence[dict | None], metric:
         widget: a ``go.FigureWidget`` (for live filling) instead of a ``go.Figure``.
 
     Raises:
-        ValueError: an unknown metric.
+        ValueError: an unknown metric, or more rows than the grid has points.
     """
     if metric not in METRICS:
         raise ValueError(f"metric={metric!r}; use one of {', '.join(METRICS)}")
