@@ -226,6 +226,8 @@ class LLMEngine:
         self._holding: dict[str, tuple[Request, int, list]] = {}
         self.start_time = time.perf_counter()
         self.eos_token_id = self._eos_id()
+        #: seconds to build the engine: model load, workers, the profile run, the KV cache
+        self.startup_time_s = self.start_time - t0
 
     def _make_kv_and_scheduler(self, num_cpu_blocks: int, clock=time.perf_counter) -> None:
         """The KV-cache manager of ``kv_allocator`` over the planned pool, and the scheduler over it

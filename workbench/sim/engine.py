@@ -235,6 +235,7 @@ class SimEngine(LLMEngine):
         self.tokenizer = None
         self.model_folder = arch.source or arch.name
         self.load_time_s = 0.0
+        self.startup_time_s = 0.0
         self.device = torch.device("cpu")
         self._tp = None  # no worker processes: the tensor-parallel group is simulated
         model_max = arch.max_position_embeddings or EngineConfig.DEFAULT_MAX_MODEL_LEN
