@@ -53,6 +53,18 @@ def _chromium() -> str | None:
     return None
 
 
+def _browser_tools():
+    """``(chromium path, playwright's sync_playwright)``, or the skip (or failure) that says what is missing."""
+    chromium = _chromium()
+    if chromium is None:
+        _need("no Chromium found (apt-get install chromium, or set WORKBENCH_CHROMIUM)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _need("playwright is not installed (pip install playwright)")
+    return chromium, sync_playwright
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,13 +137,7 @@ def _error_texts(page) -> list[str]:
 
 @pytest.mark.slow
 def test_chapter2_runs_in_a_real_browser(jupyterlab):
-    chromium = _chromium()
-    if chromium is None:
-        _need("no Chromium found (apt-get install chromium, or set WORKBENCH_CHROMIUM)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _need("playwright is not installed (pip install playwright)")
+    chromium, sync_playwright = _browser_tools()
     base, token = jupyterlab
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
@@ -235,13 +241,7 @@ def _run_cells_through(page, cells, last: int) -> None:
 def test_chapter7_sweep_panel_fills_its_heatmaps_in_a_real_browser(jupyterlab):
     """Chapter 7's first cells run (setup, trace, the sweep panel); the test types a two-point grid into
     the panel's text boxes, clicks Run, and waits until every heatmap has both cells filled."""
-    chromium = _chromium()
-    if chromium is None:
-        _need("no Chromium found (apt-get install chromium, or set WORKBENCH_CHROMIUM)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _need("playwright is not installed (pip install playwright)")
+    chromium, sync_playwright = _browser_tools()
     base, token = jupyterlab
     shot = SCREENSHOT.with_name("chapter07.png")
     shot.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,6 @@ prompt) and ``steps``.
 from __future__ import annotations
 
 import html
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -271,7 +270,9 @@ def tradeoff_runs(runs: Sequence[tuple[int, bool]], *, trace=None, **engine_args
     """
     for name in ("max_num_batched_tokens", "enable_chunked_prefill"):
         if name in engine_args:
-            raise ValueError(f"{name} is set per run: give (max_num_batched_tokens, enable_chunked_prefill) pairs in runs")
+            raise ValueError(
+                f"{name} is set per run: give (max_num_batched_tokens, enable_chunked_prefill) pairs in runs"
+            )
     for budget, on in runs:
         if isinstance(budget, bool) or not isinstance(budget, int) or not isinstance(on, bool):
             raise ValueError(
@@ -363,24 +364,12 @@ def steps_figure(results: dict[str, ArrivalResult], title: str = "Tokens per ste
     for i, res in enumerate(results.values(), 1):
         steps = res.recorder.steps
         x = [s.step for s in steps]
-        fig.add_bar(
-            x=x,
-            y=[s.num_decode_tokens for s in steps],
-            name="decode",
-            marker_color="#1f77b4",
-            showlegend=i == 1,
-            row=i,
-            col=1,
-        )
-        fig.add_bar(
-            x=x,
-            y=[s.num_prefill_tokens for s in steps],
-            name="prefill",
-            marker_color="#ff7f0e",
-            showlegend=i == 1,
-            row=i,
-            col=1,
-        )
+        for name, field, color in (
+            ("decode", "num_decode_tokens", "#1f77b4"),
+            ("prefill", "num_prefill_tokens", "#ff7f0e"),
+        ):
+            y = [getattr(s, field) for s in steps]
+            fig.add_bar(x=x, y=y, name=name, marker_color=color, showlegend=i == 1, row=i, col=1)
     fig.update_layout(barmode="stack", title=title, height=160 * len(results) + 80, bargap=0)
     fig.update_xaxes(title_text="step", row=len(results), col=1)
     return fig
@@ -411,9 +400,8 @@ class TradeoffPanel(RunButtonThread):
         self.engine_args = engine_args
         self.rows: list[dict] = []
         self.result: ArrivalResult | None = None
-        self.error: str | None = None
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._init_button(widgets)
+        self.status.value = "<code>ready: move the slider and press Run</code>"
         style = {"description_width": "initial"}
         self.controls = {
             "max_num_batched_tokens": widgets.IntSlider(
@@ -429,9 +417,6 @@ class TradeoffPanel(RunButtonThread):
                 value=enable_chunked_prefill, description="enable_chunked_prefill", style=style
             ),
         }
-        self.button = widgets.Button(description="Run", button_style="primary", icon="play")
-        self.button.on_click(lambda _b: self._start_thread())
-        self.status = widgets.HTML(value="<code>ready: move the slider and press Run</code>")
         self.figure = tradeoff_figure([], widget=True)
         self.widget = widgets.VBox(
             [widgets.HBox(list(self.controls.values())), widgets.HBox([self.button, self.status]), self.figure]
@@ -456,36 +441,22 @@ class TradeoffPanel(RunButtonThread):
             elif k == "max_num_batched_tokens" and (isinstance(v, bool) or not isinstance(v, int)):
                 why = f"max_num_batched_tokens={v!r}: give a number of tokens (an int)"
             if why is not None:
-                self.error = f"ValueError: {why}"
-                self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
+                self._show_error(f"ValueError: {why}")
                 raise ValueError(why)
-        cur = {k: w.value for k, w in self.controls.items()} | values
+        cur = self.current_values() | values
         for k, v in values.items():
             w = self.controls[k]
             if k == "enable_chunked_prefill" or w.min <= v <= w.max:
                 w.value = v
-        with self._lock:
-            return self._run(cur)
+        return self._locked(cur)
 
-    def _clicked(self) -> None:
-        try:
-            with self._lock:
-                self._run({k: w.value for k, w in self.controls.items()})
-        except Exception:  # shown in the status line
-            pass
+    def current_values(self) -> dict[str, Any]:
+        """``max_num_batched_tokens`` and ``enable_chunked_prefill`` as the widgets show them."""
+        return {k: w.value for k, w in self.controls.items()}
 
-    def _run(self, values: dict) -> ArrivalResult:
-        self.button.disabled = True
-        self.status.value = "<code>running…</code>"
-        try:
+    def _execute(self, values: dict) -> ArrivalResult:
+        with self._busy():
             res = arrival_run(self.trace, **(self.engine_args | values))
-        except Exception as e:
-            self.error = f"{type(e).__name__}: {e}"
-            self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
-            raise
-        finally:
-            self.button.disabled = False
-        self.error = None
         self.result = res
         self.rows.append(tradeoff_row(res))
         new = tradeoff_figure(self.rows)

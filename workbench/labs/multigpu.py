@@ -30,7 +30,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from workbench.labs.panel import RunButtonThread
+from workbench.labs.panel import RunButtonThread, _accepts
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
 
 MiB = 1 << 20
@@ -852,12 +852,7 @@ class _Panel(RunButtonThread):
         self.controls = controls
         self.result = None
         self.history: list[tuple[dict, Any]] = []
-        self.error: str | None = None
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self.button = w.Button(description="Run", button_style="primary", icon="play")
-        self.button.on_click(lambda _b: self._start_thread())
-        self.status = w.HTML(value="<code>ready: press Run</code>")
+        self._init_button(w)
         self.plot = plot
         grid = w.GridBox(list(controls.values()), layout=w.Layout(grid_template_columns="repeat(2, 50%)"))
         self.widget = w.VBox([grid, w.HBox([self.button, self.status]), plot])
@@ -873,38 +868,18 @@ class _Panel(RunButtonThread):
         can show them). Raises what the run raises (also shown in the status line)."""
         for k in overrides:
             if k not in self.controls:
-                self.error = f"ValueError: unknown control {k!r}; this panel has {', '.join(self.controls)}"
-                self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
-                raise ValueError(self.error.removeprefix("ValueError: "))
+                why = f"unknown control {k!r}; this panel has {', '.join(self.controls)}"
+                self._show_error(f"ValueError: {why}")
+                raise ValueError(why)
         values = self.current_values() | overrides
         for k, v in overrides.items():
-            c = self.controls[k]
-            opts = getattr(c, "options", None)
-            ok = v in opts if opts is not None else getattr(c, "min", v) <= v <= getattr(c, "max", v)
-            if ok:
-                c.value = v
-        with self._lock:
-            return self._guarded(values)
+            if _accepts(self.controls[k], v):  # the widgets show what ran
+                self.controls[k].value = v
+        return self._locked(values)
 
-    def _clicked(self) -> None:
-        try:
-            with self._lock:
-                self._guarded(self.current_values())
-        except Exception:  # shown in the status line; the kernel stays usable
-            pass
-
-    def _guarded(self, values: dict[str, Any]):
-        self.button.disabled = True
-        self.status.value = "<code>running…</code>"
-        try:
+    def _execute(self, values: dict[str, Any]):
+        with self._busy():
             res = self._run(values)
-        except Exception as e:
-            self.error = f"{type(e).__name__}: {e}"
-            self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
-            raise
-        finally:
-            self.button.disabled = False
-        self.error = None
         self.result = res
         self.history.append((values, res))
         self.status.value = "<pre>" + html.escape(self._describe(values, res)) + "</pre>"

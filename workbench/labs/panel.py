@@ -11,6 +11,7 @@ import html
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, format_table, lab_run, lab_trace, run_summary
@@ -82,11 +83,37 @@ def _accepts(widget, value) -> bool:
 
 
 class RunButtonThread(ABC):
-    """The Run button's thread, shared by the chapters' panels: a click runs the panel's
-    ``_clicked`` in a daemon thread (one at a time), so that the kernel stays free to redraw the
-    live plots while the run goes on; :meth:`wait` joins it. A panel implements ``_clicked``."""
+    """The Run button and status line shared by the chapters' panels.
+
+    A click runs :meth:`_execute` with :meth:`current_values` in a daemon thread (one at a time),
+    so that the kernel stays free to redraw the live plots while the run goes on; :meth:`wait`
+    joins it. ``run()`` calls :meth:`_locked` in the caller's thread: one run at a time either
+    way. Errors go to the status line (:meth:`_show_error`). A panel calls :meth:`_init_button`
+    and implements ``current_values`` and ``_execute``.
+    """
 
     _thread: threading.Thread | None = None
+
+    def _init_button(self, widgets) -> None:
+        """The Run button, the status line, the lock; ``error`` is the latest failed run's message."""
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._thread = None
+        self.button = widgets.Button(description="Run", button_style="primary", icon="play")
+        self.button.on_click(lambda _b: self._start_thread())
+        self.status = widgets.HTML(value="<code>ready: press Run</code>")
+
+    @abstractmethod
+    def current_values(self) -> Any:
+        """What the widgets describe now (the argument of :meth:`_execute`)."""
+
+    @abstractmethod
+    def _execute(self, values: Any) -> Any:
+        """One run (called under the lock)."""
+
+    def _locked(self, values: Any) -> Any:
+        with self._lock:
+            return self._execute(values)
 
     def _start_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -94,9 +121,29 @@ class RunButtonThread(ABC):
         self._thread = threading.Thread(target=self._clicked, daemon=True)
         self._thread.start()
 
-    @abstractmethod
     def _clicked(self) -> None:
-        """Run with the widgets' values; errors go to the status line (the thread has no caller)."""
+        try:
+            self._locked(self.current_values())
+        except Exception as e:  # shown in the status line (the thread has no caller); the kernel stays usable
+            self._show_error(e)
+
+    def _show_error(self, error: BaseException | str) -> None:
+        self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
+
+    @contextmanager
+    def _busy(self, label: str = "running…"):
+        """Button disabled and ``label`` shown while the block runs; an error is shown and re-raised."""
+        self.button.disabled = True
+        self.status.value = f"<code>{html.escape(label)}</code>"
+        self.error = None
+        try:
+            yield
+        except Exception as e:
+            self._show_error(e)
+            raise
+        finally:
+            self.button.disabled = False
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for a run started by the Run button to end."""
@@ -159,14 +206,8 @@ class RunPanel(RunButtonThread):
         self.on_result = on_result
         self.result = None
         self.history: list[tuple[dict, dict]] = []
-        self.error: str | None = None
         self.monitor = None
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-        self.button = widgets.Button(description="Run", button_style="primary", icon="play")
-        self.button.on_click(lambda _b: self._start_thread())
-        self.status = widgets.HTML(value="<code>ready: press Run</code>")
+        self._init_button(widgets)
         self.plot_box = widgets.VBox([])
         grid = widgets.GridBox(
             list(self.controls.values()), layout=widgets.Layout(grid_template_columns="repeat(2, 50%)")
@@ -201,17 +242,9 @@ class RunPanel(RunButtonThread):
                 self.controls[k].value = v  # the widgets show what ran
             elif k not in self.controls:
                 self.values[k] = v
-        with self._lock:
-            return self._run(values)
+        return self._locked(values)
 
-    def _clicked(self) -> None:
-        try:
-            with self._lock:
-                self._run(self.current_values())
-        except Exception:  # shown in the status line; the kernel stays usable
-            pass
-
-    def _run(self, values: dict[str, Any]):
+    def _execute(self, values: dict[str, Any]):
         engine_args = {k: v for k, v in values.items() if k not in _TRACE_ARGS}
         records = self.records
         if records is None:
@@ -226,19 +259,12 @@ class RunPanel(RunButtonThread):
             self.plot_box.children = [self.monitor.widget]
             sinks.append(self.monitor.sink)
             engine_args.setdefault("block_map_every", 4)
-        self.button.disabled = True
-        self.status.value = "<code>running…</code>"
         try:
-            res = lab_run(records, sinks=sinks, **engine_args)
-        except Exception as e:
-            self.error = f"{type(e).__name__}: {e}"
-            self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
-            raise
+            with self._busy():
+                res = lab_run(records, sinks=sinks, **engine_args)
         finally:
-            self.button.disabled = False
             if self.monitor is not None:
                 self.monitor.close()
-        self.error = None
         self.result = res
         summ = run_summary(res)
         self.history.append((values, summ))

@@ -38,7 +38,6 @@ import html
 import itertools
 import math
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -614,9 +613,7 @@ class SweepPanel(RunButtonThread):
         self.runner = runner
         self.fixed = dict(fixed)
         self.rows: list[dict | None] = []
-        self.error: str | None = None
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._init_button(widgets)
         style = {"description_width": "initial"}
         self.controls = {
             name: widgets.Text(
@@ -627,10 +624,7 @@ class SweepPanel(RunButtonThread):
             )
             for name, values in self.grid.items()
         }
-        self.button = widgets.Button(description="Run", button_style="primary", icon="play")
-        self.button.on_click(lambda _b: self._start_thread())
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="runs 0/0", style=style)
-        self.status = widgets.HTML(value="<code>ready: press Run</code>")
         self.figures: dict[str, Any] = {}
         self.plot_box = widgets.GridBox(  # as many columns as fit, each as wide as a figure
             [],
@@ -681,38 +675,21 @@ class SweepPanel(RunButtonThread):
             raise
         for k, v in g.items():
             self.controls[k].value = ", ".join(_fmt_value(k, x) for x in v)
-        with self._lock:
-            return self._run(g)
+        return self._locked(g)
 
-    def _clicked(self) -> None:
-        try:
-            g = self.current_grid()
-            with self._lock:
-                self._run(g)
-        except Exception as e:  # shown in the status line; the kernel stays usable
-            self._show_error(e)
+    def current_values(self) -> dict[str, list]:
+        """:meth:`current_grid` (what a click runs)."""
+        return self.current_grid()
 
-    def _show_error(self, e: Exception) -> None:
-        self.error = f"{type(e).__name__}: {e}"
-        self.status.value = f"<code style='color:#b00'>{html.escape(self.error)}</code>"
-
-    def _run(self, grid: dict[str, list]) -> list[dict]:
+    def _execute(self, grid: dict[str, list]) -> list[dict]:
         n = math.prod(len(v) for v in grid.values())
         self.grid = grid
         self.rows = [None] * n
         self._build_figures()
         self.progress.max, self.progress.value = n, 0
         self.progress.description = f"runs 0/{n}"
-        self.button.disabled = True
-        self.status.value = f"<code>running {n} point(s)…</code>"
-        self.error = None
-        try:
+        with self._busy(f"running {n} point(s)…"):
             rows = self.runner(grid, on_row=self._on_row, **self.fixed)
-        except Exception as e:
-            self._show_error(e)
-            raise
-        finally:
-            self.button.disabled = False
         self.rows = rows
         refused = [r for r in rows if r.get("error")]
         done = f"{n - len(refused)} of {n} run(s) done"
