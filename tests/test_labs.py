@@ -301,4 +301,15 @@ def test_panel_uses_values_as_given_and_names_bad_ones(tiny_model):
     assert "block_size=12" in panel.error and "block_size=12" in panel.status.value
     with pytest.raises(ValueError, match="kv_allocator"):
         panel.run(kv_allocator="nope")
+    # a misspelled name: a ValueError naming the closest argument, and it is not kept for later runs
+    with pytest.raises(ValueError, match="'max_num_seq' is not an engine argument; did you mean 'max_num_seqs'"):
+        panel.run(max_num_seq=4)
+    assert "did you mean" in panel.status.value and "max_num_seq" not in panel.values
+    with pytest.raises(ValueError, match="num_requests has no effect"):  # this panel runs its records
+        panel.run(num_requests=0)
+    with pytest.raises(ValueError, match="did you mean 'max_model_len'"):
+        labs.RunPanel(records=records, live=False, max_model_lenn=128)
     assert panel.run(num_gpu_blocks_override=16) is panel.result
+    assert panel.error is None
+    assert panel.run(seed=3).summary  # a name with no widget is kept once it ran: a click runs with it
+    assert panel.values["seed"] == 3 and panel.current_values()["seed"] == 3

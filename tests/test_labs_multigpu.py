@@ -208,3 +208,6 @@ def test_sim_panels_run_and_name_bad_values():
     bb = 2 * 80 * (8 // 4) * 128 * 2 * 16  # K and V, 80 layers, 2 KV heads per rank, head_dim 128, fp16, 16 tokens
     assert row["comm_buffer_bytes"] == expect and row["blocks_lost"] in (expect // bb, expect // bb + 1)
     assert "KV blocks" in b.status.value and len(b.figure.data[0].x) == 1
+    for bad in (2.7, "abc", 0):
+        with pytest.raises(ValueError, match=rf"nccl_buffsize_mib={bad!r} must be a whole number of MiB"):
+            b.run(nccl_buffsize_mib=bad)

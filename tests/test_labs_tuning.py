@@ -130,6 +130,11 @@ def test_sweep_panel_fills_heatmaps_and_survives_bad_input(tiny_model):
     assert "sixteen" in panel.status.value
     rows = panel.run(block_size=[32], num_gpu_blocks_override="8")
     assert panel.controls["block_size"].value == "32" and len(rows) == 1 and rows[0]["pool_blocks"] == 8
+    # a grid refused before any point ran keeps the last sweep on show
+    with pytest.raises(ValueError, match="grid point"):
+        panel.run(num_gpu_blocks_override=[0])
+    assert panel.rows == rows and panel.progress.description == "runs 1/1"
+    assert panel.figures["preemptions"].data[0].z[0][0] == float(rows[0]["preemptions"])
 
 
 def test_sim_sweep_is_deterministic_and_sizes_the_pool_from_utilization():
@@ -263,6 +268,8 @@ def test_panels_show_refused_values_in_their_status_line(tiny_model):
     with pytest.raises(ValueError, match="not one of this panel's arguments"):
         sp.run(gpu_memory_utilization="1.5")
     assert "not one of this panel" in sp.status.value
+    with pytest.raises(ValueError, match="did you mean 'max_num_seqs'"):  # refused when made, not at a click
+        chunked.TradeoffPanel(_arrival_trace(), max_num_seq=4)
 
 
 def test_chapter_modules_are_reached_from_the_package():

@@ -35,7 +35,7 @@ import plotly.graph_objects as go
 
 from workbench.bench.datasets import PromptRecord, default_prompts
 from workbench.labs.panel import RunButtonThread
-from workbench.labs.runs import LAB_ENGINE_DEFAULTS
+from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_arg_names, check_engine_args
 
 __all__ = [
     "CHUNKED_ENGINE_DEFAULTS",
@@ -140,7 +140,6 @@ def arrival_run(
         ValueError: bad engine arguments (before the model loads).
     """
     from workbench.bench.run import to_engine_prompt
-    from workbench.config import EngineConfig
     from workbench.engine import LLM
     from workbench.metrics import Recorder
     from workbench.sampling import SamplingParams
@@ -148,7 +147,7 @@ def arrival_run(
 
     trace = sorted(trace if trace is not None else chunked_trace(), key=lambda a: a[0])
     args = LAB_ENGINE_DEFAULTS | CHUNKED_ENGINE_DEFAULTS | engine_args
-    EngineConfig(**args).validate()
+    check_engine_args(args)
     recorder = Recorder(list(sinks or []))
     llm = LLM(recorder=recorder, **args)
     eng = llm.llm_engine
@@ -388,6 +387,7 @@ class TradeoffPanel(RunButtonThread):
 
     Raises:
         ImportError: ipywidgets / anywidget missing (``pip install 'workbench[lab]'``).
+        ValueError: an engine argument's name that is not one.
     """
 
     def __init__(
@@ -396,6 +396,7 @@ class TradeoffPanel(RunButtonThread):
         from workbench.viz.live import _require_widgets
 
         widgets = _require_widgets()
+        check_engine_arg_names(engine_args)  # a misspelled name is refused now, not at the first click
         self.trace = trace if trace is not None else chunked_trace()
         self.engine_args = engine_args
         self.rows: list[dict] = []

@@ -1102,9 +1102,16 @@ class BufferPanel(_Panel):
 
     @staticmethod
     def engine_args(values: dict[str, Any]) -> dict[str, Any]:
-        """The panel's values as engine arguments (``nccl_buffsize`` in bytes)."""
+        """The panel's values as engine arguments (``nccl_buffsize`` in bytes).
+
+        Raises:
+            ValueError: ``nccl_buffsize_mib`` is not a whole number of MiB >= 1.
+        """
+        mib = values["nccl_buffsize_mib"]
+        if isinstance(mib, bool) or not isinstance(mib, int) or mib < 1:
+            raise ValueError(f"nccl_buffsize_mib={mib!r} must be a whole number of MiB >= 1, e.g. 4 (NCCL's default)")
         return {
-            "nccl_buffsize": int(values["nccl_buffsize_mib"]) * MiB,
+            "nccl_buffsize": mib * MiB,
             "nccl_proto": values["nccl_proto"],
             "nccl_min_nchannels": values["nccl_min_nchannels"],
             "nccl_max_nchannels": values["nccl_max_nchannels"],

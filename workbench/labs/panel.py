@@ -14,7 +14,15 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from workbench.labs.runs import LAB_ENGINE_DEFAULTS, format_table, lab_run, lab_trace, run_summary
+from workbench.labs.runs import (
+    LAB_ENGINE_DEFAULTS,
+    check_engine_arg_names,
+    check_engine_args,
+    format_table,
+    lab_run,
+    lab_trace,
+    run_summary,
+)
 
 __all__ = ["RunPanel", "CONTROLS"]
 
@@ -189,6 +197,7 @@ class RunPanel(RunButtonThread):
         from workbench.viz.live import _require_widgets
 
         widgets = _require_widgets()
+        check_engine_arg_names(defaults, also=_TRACE_ARGS)
         self._widgets_mod = widgets
         self.values: dict[str, Any] = (
             LAB_ENGINE_DEFAULTS
@@ -236,35 +245,47 @@ class RunPanel(RunButtonThread):
         Raises:
             ValueError: bad arguments (also shown in the panel's status line).
         """
+        try:
+            check_engine_arg_names((k for k in overrides if k not in self.controls), also=_TRACE_ARGS)
+            fixed = [k for k in overrides if k in _TRACE_ARGS and self.records is not None]
+            if fixed:
+                raise ValueError(
+                    f"{fixed[0]} has no effect: this panel runs the request list it was given (records=); "
+                    "make a panel without records to size the trace"
+                )
+        except ValueError as e:
+            self._show_error(e)
+            raise
         values = self.current_values() | overrides  # as given: a widget's range never clamps them
         for k, v in overrides.items():
             if k in self.controls and _accepts(self.controls[k], v):
                 self.controls[k].value = v  # the widgets show what ran
-            elif k not in self.controls:
-                self.values[k] = v
-        return self._locked(values)
+        res = self._locked(values)
+        self.values |= {k: v for k, v in overrides.items() if k not in self.controls}  # kept once they ran
+        return res
 
     def _execute(self, values: dict[str, Any]):
         engine_args = {k: v for k, v in values.items() if k not in _TRACE_ARGS}
-        records = self.records
-        if records is None:
-            records = lab_trace(
-                values["num_requests"], mean_output=values["mean_output"], max_output=values["max_output"]
-            )
-        sinks = []
-        if self.live:
-            from workbench.viz.live import LiveMonitor
+        with self._busy():
+            check_engine_args(LAB_ENGINE_DEFAULTS | engine_args)  # refused before the last run's plot goes
+            records = self.records
+            if records is None:
+                records = lab_trace(
+                    values["num_requests"], mean_output=values["mean_output"], max_output=values["max_output"]
+                )
+            sinks = []
+            if self.live:
+                from workbench.viz.live import LiveMonitor
 
-            self.monitor = LiveMonitor(None, refresh_s=self.refresh_s, block_map=True, unit="tokens")
-            self.plot_box.children = [self.monitor.widget]
-            sinks.append(self.monitor.sink)
-            engine_args.setdefault("block_map_every", 4)
-        try:
-            with self._busy():
+                self.monitor = LiveMonitor(None, refresh_s=self.refresh_s, block_map=True, unit="tokens")
+                self.plot_box.children = [self.monitor.widget]
+                sinks.append(self.monitor.sink)
+                engine_args.setdefault("block_map_every", 4)
+            try:
                 res = lab_run(records, sinks=sinks, **engine_args)
-        finally:
-            if self.monitor is not None:
-                self.monitor.close()
+            finally:
+                if self.monitor is not None:
+                    self.monitor.close()
         self.result = res
         summ = run_summary(res)
         self.history.append((values, summ))

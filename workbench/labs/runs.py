@@ -10,6 +10,7 @@ on every machine.
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 from collections.abc import Iterable, Sequence
@@ -39,6 +40,40 @@ LAB_ENGINE_DEFAULTS: dict[str, Any] = {
 
 #: output-length means (tokens) of the vLLM paper's traces (Kwon et al., SOSP 2023, Fig. 11)
 TRACE_OUTPUT_MEANS = {"sharegpt": 337.99, "alpaca": 58.45}
+
+
+def check_engine_arg_names(names: Iterable[str], also: Sequence[str] = ()) -> None:
+    """Refuse a name that is not an :class:`~workbench.config.EngineConfig` field (nor one of
+    ``also``), naming the closest one.
+
+    Raises:
+        ValueError: the first unknown name, with "did you mean ..." or the list of engine arguments.
+    """
+    import difflib
+
+    from workbench.config import EngineConfig
+
+    fields = [k for k in EngineConfig.__dataclass_fields__ if k != "extra"]
+    for name in names:
+        if name not in fields and name not in also:
+            near = difflib.get_close_matches(name, [*fields, *also], n=1)
+            raise ValueError(
+                f"{name!r} is not an engine argument"
+                + (f"; did you mean {near[0]!r}?" if near else f"; engine arguments: {', '.join(sorted(fields))}")
+            )
+
+
+def check_engine_args(args: dict[str, Any]) -> None:
+    """What the engine would refuse in ``args``, refused before any model loads: an unknown name
+    (:func:`check_engine_arg_names`) or a bad value (:meth:`~workbench.config.EngineConfig.validate`).
+
+    Raises:
+        ValueError: naming the argument and the fix.
+    """
+    from workbench.config import EngineConfig
+
+    check_engine_arg_names(args)
+    EngineConfig(**args).validate()
 
 
 def lab_trace(
@@ -84,6 +119,10 @@ def lab_trace(
     return out
 
 
+#: run_job's own keyword arguments (not engine arguments) that lab_run passes through
+_JOB_ARGS = frozenset(inspect.signature(run_job).parameters) - {"engine_args"}
+
+
 def lab_run(
     records: Sequence[PromptRecord] | None = None,
     *,
@@ -111,6 +150,8 @@ def lab_run(
     """
     records = list(records) if records is not None else lab_trace()
     args = LAB_ENGINE_DEFAULTS | engine_args
+    job = {k: v for k, v in args.items() if k in _JOB_ARGS}  # run_job's own (e.g. llm: an engine to reuse)
+    check_engine_args({k: v for k, v in args.items() if k not in job})
     return run_job(
         records=records,
         num_prompts=None,

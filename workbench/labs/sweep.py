@@ -44,7 +44,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.labs.panel import RunButtonThread
-from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
+from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_arg_names, check_engine_args, lab_run, lab_trace
 
 __all__ = [
     "METRICS",
@@ -257,22 +257,10 @@ def _run_points(
 
 def _check_points(points: Sequence[dict], base: Mapping[str, Any]) -> None:
     """Validate every point's engine arguments before the first run (no model loads)."""
-    import difflib
-
-    from workbench.config import EngineConfig
-
-    fields = [k for k in EngineConfig.__dataclass_fields__ if k != "extra"]
-    for name in base:
-        if name not in fields:
-            near = difflib.get_close_matches(name, fields, n=1)
-            raise ValueError(
-                f"{name!r} is not an engine argument"
-                + (f"; did you mean {near[0]!r}?" if near else f"; engine arguments: {', '.join(sorted(fields))}")
-            )
+    check_engine_arg_names(base)
     for p in points:
-        args = {k: v for k, v in (dict(base) | p).items() if k in EngineConfig.__dataclass_fields__}
         try:
-            EngineConfig(**args).validate()
+            check_engine_args(dict(base) | p)
         except ValueError as e:
             raise ValueError(f"grid point {point_label(p)}: {e}") from None
 
@@ -683,13 +671,19 @@ class SweepPanel(RunButtonThread):
 
     def _execute(self, grid: dict[str, list]) -> list[dict]:
         n = math.prod(len(v) for v in grid.values())
-        self.grid = grid
-        self.rows = [None] * n
+        before = (self.grid, self.rows)
+        self.grid, self.rows = grid, [None] * n
         self._build_figures()
-        self.progress.max, self.progress.value = n, 0
-        self.progress.description = f"runs 0/{n}"
-        with self._busy(f"running {n} point(s)…"):
-            rows = self.runner(grid, on_row=self._on_row, **self.fixed)
+        self._show_rows()
+        try:
+            with self._busy(f"running {n} point(s)…"):
+                rows = self.runner(grid, on_row=self._on_row, **self.fixed)
+        except Exception:
+            if all(r is None for r in self.rows):  # refused before any point ran: show the last sweep again
+                self.grid, self.rows = before
+                self._build_figures()
+                self._show_rows()
+            raise
         self.rows = rows
         refused = [r for r in rows if r.get("error")]
         done = f"{n - len(refused)} of {n} run(s) done"
@@ -700,7 +694,12 @@ class SweepPanel(RunButtonThread):
 
     def _on_row(self, index: int, row: dict) -> None:
         self.rows[index] = row
+        self._show_rows()
+
+    def _show_rows(self) -> None:
+        """The progress bar and the heatmaps show ``self.rows``."""
         done = sum(r is not None for r in self.rows)
+        self.progress.max = max(1, len(self.rows))  # before the value: a value above the max is clamped
         self.progress.value = done
         self.progress.description = f"runs {done}/{len(self.rows)}"
         for m, fig in self.figures.items():
