@@ -296,6 +296,12 @@ def test_panel_uses_values_as_given_and_names_bad_ones(tiny_model):
     with pytest.raises(ValueError, match="1 blocks"):  # not clamped to the slider's minimum of 8
         panel.run(num_gpu_blocks_override=1)
     assert panel.controls["num_gpu_blocks_override"].value == 48  # the widget kept a value it can show
+    with pytest.raises(ValueError, match="max_num_seqs=2.5"):
+        panel.run(max_num_seqs=2.5)
+    assert panel.controls["max_num_seqs"].value == 16  # not truncated to 2, and back after the refusal
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        panel.run(max_num_seqs=0)
+    assert panel.controls["max_num_seqs"].value == 16
     with pytest.raises(ValueError, match="block_size=12"):
         panel.run(block_size=12)
     assert "block_size=12" in panel.error and "block_size=12" in panel.status.value

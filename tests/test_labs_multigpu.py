@@ -211,3 +211,4 @@ def test_sim_panels_run_and_name_bad_values():
     for bad in (2.7, "abc", 0):
         with pytest.raises(ValueError, match=rf"nccl_buffsize_mib={bad!r} must be a whole number of MiB"):
             b.run(nccl_buffsize_mib=bad)
+        assert b.controls["nccl_buffsize_mib"].value == 16  # the slider shows the last run's value

@@ -134,6 +134,7 @@ def test_sweep_panel_fills_heatmaps_and_survives_bad_input(tiny_model):
     with pytest.raises(ValueError, match="grid point"):
         panel.run(num_gpu_blocks_override=[0])
     assert panel.rows == rows and panel.progress.description == "runs 1/1"
+    assert panel.controls["num_gpu_blocks_override"].value == "8"  # the text boxes show the last sweep again
     assert panel.figures["preemptions"].data[0].z[0][0] == float(rows[0]["preemptions"])
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from workbench.bench.datasets import PromptRecord, default_prompts
-from workbench.labs.panel import RunButtonThread
+from workbench.labs.panel import RunButtonThread, _accepts
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_arg_names, check_engine_args
 
 __all__ = [
@@ -445,11 +445,7 @@ class TradeoffPanel(RunButtonThread):
                 self._show_error(f"ValueError: {why}")
                 raise ValueError(why)
         cur = self.current_values() | values
-        for k, v in values.items():
-            w = self.controls[k]
-            if k == "enable_chunked_prefill" or w.min <= v <= w.max:
-                w.value = v
-        return self._locked(cur)
+        return self._locked(cur, {k: v for k, v in values.items() if _accepts(self.controls[k], v)})
 
     def current_values(self) -> dict[str, Any]:
         """``max_num_batched_tokens`` and ``enable_chunked_prefill`` as the widgets show them."""

@@ -872,10 +872,7 @@ class _Panel(RunButtonThread):
                 self._show_error(f"ValueError: {why}")
                 raise ValueError(why)
         values = self.current_values() | overrides
-        for k, v in overrides.items():
-            if _accepts(self.controls[k], v):  # the widgets show what ran
-                self.controls[k].value = v
-        return self._locked(values)
+        return self._locked(values, {k: v for k, v in overrides.items() if _accepts(self.controls[k], v)})
 
     def _execute(self, values: dict[str, Any]):
         with self._busy():

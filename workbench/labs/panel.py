@@ -86,7 +86,8 @@ def _accepts(widget, value) -> bool:
         return value in options
     lo, hi = getattr(widget, "min", None), getattr(widget, "max", None)
     if lo is not None and hi is not None:
-        return isinstance(value, int | float) and not isinstance(value, bool) and lo <= value <= hi
+        kinds = int if isinstance(widget.value, int) else int | float  # an IntSlider would truncate 2.7
+        return isinstance(value, kinds) and not isinstance(value, bool) and lo <= value <= hi
     return isinstance(value, type(widget.value))
 
 
@@ -119,9 +120,19 @@ class RunButtonThread(ABC):
     def _execute(self, values: Any) -> Any:
         """One run (called under the lock)."""
 
-    def _locked(self, values: Any) -> Any:
-        with self._lock:
-            return self._execute(values)
+    def _locked(self, values: Any, shown: dict[str, Any] | None = None) -> Any:
+        """:meth:`_execute` under the lock. ``shown``: widget values (by control name) to display
+        for this run; the widgets go back to what they showed if the run is refused or fails."""
+        before = {k: self.controls[k].value for k in shown or {}}
+        for k, v in (shown or {}).items():
+            self.controls[k].value = v
+        try:
+            with self._lock:
+                return self._execute(values)
+        except Exception:
+            for k, v in before.items():
+                self.controls[k].value = v
+            raise
 
     def _start_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -240,7 +251,8 @@ class RunPanel(RunButtonThread):
             The :class:`~workbench.bench.run.JobResult`.
 
         Values are used as given, also outside a slider's range or a dropdown's options (the engine
-        then validates them, as it would from Python); the widgets move to the values they can show.
+        then validates them, as it would from Python); the widgets move to the values they can show, and
+        back if the run is refused or fails.
 
         Raises:
             ValueError: bad arguments (also shown in the panel's status line).
@@ -257,10 +269,8 @@ class RunPanel(RunButtonThread):
             self._show_error(e)
             raise
         values = self.current_values() | overrides  # as given: a widget's range never clamps them
-        for k, v in overrides.items():
-            if k in self.controls and _accepts(self.controls[k], v):
-                self.controls[k].value = v  # the widgets show what ran
-        res = self._locked(values)
+        shown = {k: v for k, v in overrides.items() if k in self.controls and _accepts(self.controls[k], v)}
+        res = self._locked(values, shown)
         self.values |= {k: v for k, v in overrides.items() if k not in self.controls}  # kept once they ran
         return res
 

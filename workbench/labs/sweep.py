@@ -661,9 +661,7 @@ class SweepPanel(RunButtonThread):
         except ValueError as e:
             self._show_error(e)
             raise
-        for k, v in g.items():
-            self.controls[k].value = ", ".join(_fmt_value(k, x) for x in v)
-        return self._locked(g)
+        return self._locked(g, {k: ", ".join(_fmt_value(k, x) for x in v) for k, v in g.items()})
 
     def current_values(self) -> dict[str, list]:
         """:meth:`current_grid` (what a click runs)."""
