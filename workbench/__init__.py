@@ -4,7 +4,8 @@ from workbench import LLM, SamplingParams
 """
 
 from workbench.config import EngineConfig
-from workbench.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+from workbench.engine import CompletionOutput, LLMEngine, RequestOutput
+from workbench.entrypoints.llm import LLM
 from workbench.sampling import SamplingParams
 
 __version__ = "0.1.0"

@@ -1,32 +1,34 @@
-"""``LLMEngine`` (add_request / step / abort) and ``LLM.generate``, in vLLM's shape.
+"""``LLMEngine`` (add_request / step / abort), in vLLM's shape: a scheduler, a KV manager and an
+executor, on a clock. The offline ``LLM`` over it is in :mod:`workbench.entrypoints.llm`.
 
-from workbench import LLM, SamplingParams
-llm = LLM(block_size=16, max_num_seqs=32)          # the bundled SmolLM2-135M
-out = llm.generate(["Hello"], SamplingParams(max_tokens=32))
-print(out[0].outputs[0].text)
+Each step (ARCHITECTURE §1): the scheduler picks requests and token counts, the executor runs
+them (``execute_step``: block copies, forward, sampling) and the scheduler advances them; the
+step's record (:class:`~workbench.metrics.StepStats`) gets the KV pool's split from
+:class:`~workbench.metrics.accounting.PoolAccounting`. The executor and the clock are the seams:
+one process (:class:`~workbench.executor.local.LocalExecutor`, ``time.perf_counter``), tensor
+parallel (:class:`~workbench.executor.tensor_parallel.TensorParallelExecutor`), or a cost model on
+a simulated clock (:mod:`workbench.sim`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from workbench.config import EngineConfig, GiB
-from workbench.executor.local import LocalExecutor, prepare_inputs
-from workbench.kv.contiguous import ContiguousKVCacheManager, reservation_tokens
-from workbench.kv.manager import KVCacheManager
-from workbench.memory import MemoryBudget, plan_memory, profile_activation_peak
+from workbench.executor.local import LocalExecutor
+from workbench.kv import make_kv_manager
+from workbench.kv.contiguous import reservation_tokens
+from workbench.memory import MemoryBudget
 from workbench.metrics import Recorder, StepStats, request_record
-from workbench.model.llama import LlamaForCausalLM
-from workbench.model.loader import load_model
+from workbench.metrics.accounting import PoolAccounting, block_map
 from workbench.request import Request, RequestStatus
-from workbench.sampling import SamplingParams, sample
-from workbench.scheduler import Scheduler
+from workbench.sampling import SamplingParams
+from workbench.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("workbench")
 
@@ -89,12 +91,26 @@ def resolve_lengths(config: EngineConfig, model_max: int, whose: str) -> tuple[i
     return max_model_len, budget
 
 
+def make_executor(config: EngineConfig):
+    """The executor of a real model: worker processes when ``config.uses_workers``, else this process.
+    It reads the model's files (config, tokenizer, weights) here; the model is built later."""
+    if config.uses_workers:
+        from workbench.executor.tensor_parallel import TensorParallelExecutor
+
+        return TensorParallelExecutor(config)
+    return LocalExecutor(config)
+
+
 class LLMEngine:
-    """The serving engine: a scheduler, a KV-cache manager and a model executor.
+    """The serving engine: a scheduler, a KV manager and an executor, on a clock.
 
     Args:
         config: the engine arguments (validated here, before the model loads).
         recorder: where StepStats and request records go (a new in-memory one by default).
+        executor: runs each step (default: :func:`make_executor`'s, which loads ``config.model``);
+            the simulator passes a cost model (:class:`workbench.sim.engine.SimulatedExecutor`).
+        clock: the time source of arrivals, schedules, tokens and records, in seconds
+            (default ``time.perf_counter``; the simulator passes a simulated clock).
 
     Raises:
         ValueError / FileNotFoundError: a bad argument (see :meth:`EngineConfig.validate`),
@@ -104,141 +120,31 @@ class LLMEngine:
     #: largest pool (blocks) for which ``block_map_every`` may record per-block pictures
     MAX_BLOCK_MAP_BLOCKS = 65_536
 
-    def __init__(self, config: EngineConfig, recorder: Recorder | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        recorder: Recorder | None = None,
+        executor=None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.config = config.validate()
         self.recorder = recorder or Recorder()
         torch.manual_seed(config.seed)
-        self.device = config.torch_device
-        if config.uses_workers:
-            from workbench.executor.tensor_parallel import check_not_bootstrapping
-
-            check_not_bootstrapping()  # before the weights: a worker re-running an unguarded script
         t0 = time.perf_counter()
-        loaded = load_model(config.model, config.resolved_cache_dir, config.tokenizer)
-        self.hf_config = loaded.hf_config
-        self.tokenizer = loaded.tokenizer
-        self.model_folder = loaded.folder
-        cfg = self.hf_config
-
-        model_max = getattr(cfg, "max_position_embeddings", None) or EngineConfig.DEFAULT_MAX_MODEL_LEN
-        self.max_model_len, self.max_num_batched_tokens = resolve_lengths(config, model_max, "the model's")
-
-        #: tensor parallelism: worker processes, each with a shard (workbench.executor.tensor_parallel)
-        self._tp = None
-        if config.uses_workers:
-            from workbench.executor.tensor_parallel import TensorParallelExecutor
-
-            self._tp = TensorParallelExecutor(config, cfg, loaded.state_dict, self.max_model_len)
-            self.model = self._tp.model  # rank 0's shard
-            del loaded
-        else:
-            with torch.device("meta"):
-                model = LlamaForCausalLM(cfg, self.max_model_len)
-            model = model.to_empty(device="cpu")
-            model.rotary = type(model.rotary)(cfg, self.max_model_len)  # buffers are not in the checkpoint
-            model.load_hf_state_dict(loaded.state_dict)
-            del loaded
-            self.model = model.to(device=self.device, dtype=config.torch_dtype).eval()
-            self.model.rotary.float()  # keep RoPE tables in float32, as transformers does
-        self.load_time_s = time.perf_counter() - t0
-
-        if config.device_memory is None and self.device.type == "cpu":
-            device_memory = EngineConfig.DEFAULT_CPU_DEVICE_MEMORY
-        else:
-            device_memory = config.device_memory
-        activation = 0
-        if config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
-            # vLLM's profile run: the peak of one forward at the step's token budget
-            if self._tp is not None:  # every rank profiles its shard (collectives included); the largest peak
-                activation = self._tp.profile_activation_peak(
-                    self.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
-                )
-            else:
-                activation = profile_activation_peak(
-                    self.model,
-                    self.max_num_batched_tokens,
-                    self.max_model_len,
-                    config.max_num_seqs,
-                    config.block_size,
-                    key=(str(self.model_folder), str(config.torch_dtype), str(self.device)),
-                )
-        self.memory: MemoryBudget = plan_memory(
-            hf_config=cfg,
-            device=self.device,
-            device_memory=device_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            weights_bytes=self.model.weight_bytes(),
-            kv_dtype=config.kv_torch_dtype,
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-            activation_bytes=activation,
-            num_gpu_blocks_override=config.num_gpu_blocks_override,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            tensor_parallel_size=config.tensor_parallel_size,
-            comm_buffer_bytes=self._tp.comm_buffer_bytes if self._tp is not None else 0,
-        )
+        self.executor = ex = executor if executor is not None else make_executor(config)
+        self.hf_config, self.tokenizer, self.model_folder = ex.hf_config, ex.tokenizer, ex.model_folder
+        self.eos_token_id = ex.eos_token_id
+        self.device = ex.device
+        model_max = ex.max_position_embeddings or EngineConfig.DEFAULT_MAX_MODEL_LEN
+        self.max_model_len, self.max_num_batched_tokens = resolve_lengths(config, model_max, ex.model_name)
+        ex.load_model(self.max_model_len)
+        self.load_time_s = time.perf_counter() - t0  #: seconds to read and build the model (and start workers)
+        self.memory: MemoryBudget = ex.memory_budget(self.max_model_len, self.max_num_batched_tokens)
         log.info(self.memory.summary_line())
-        if config.block_map_every and self.memory.num_blocks > self.MAX_BLOCK_MAP_BLOCKS:
-            raise ValueError(
-                f"block_map_every={config.block_map_every} records a picture of every block, but the pool has "
-                f"{self.memory.num_blocks:,} blocks (more than {self.MAX_BLOCK_MAP_BLOCKS:,}); size the pool with "
-                "num_gpu_blocks_override or kv_cache_memory_bytes, raise block_size, or set block_map_every=0"
-            )
-        num_cpu_blocks = 0
-        if config.preemption_mode == "swap":
-            num_cpu_blocks = int(config.swap_space * GiB) // self.memory.block_bytes
-            if num_cpu_blocks < 1:
-                raise ValueError(
-                    f"swap_space={config.swap_space} GiB holds no KV block of {self.memory.block_bytes:,} B; "
-                    "raise swap_space or use preemption_mode='recompute'"
-                )
-        self._check_fits(num_cpu_blocks)
-        self._make_kv_and_scheduler(num_cpu_blocks)
-        if self._tp is not None:
-            self._tp.init_cache(
-                self.memory.num_blocks,
-                config.block_size,
-                config.kv_torch_dtype,
-                num_cpu_blocks,
-                config.attention_backend,
-            )
-            self.executor = self._tp
-        else:
-            self.executor = LocalExecutor(
-                self.model,
-                self.memory.num_blocks,
-                config.block_size,
-                config.kv_torch_dtype,
-                self.device,
-                num_cpu_blocks=num_cpu_blocks,
-                attention_backend=config.attention_backend,
-            )
-        self.requests: dict[str, Request] = {}  # every unfinished sequence, by its own id
-        self.groups: dict[str, list[Request]] = {}  # the user's request id -> its n sequences
-        self._generators: dict[str, torch.Generator | None] = {}
-        self._refused: list[Request] = []
-        self._counter = 0
-        self._step = 0
-        #: per request holding blocks: (request, most KV slots it may write, [(step stats, slots held,
-        #: slots written)]) — to settle reservation vs internal fragmentation when it releases them
-        #: request id -> (request, most slots it can write, [([StepStats], slots held, slots written)])
-        #: of the steps of its current holding of blocks that _settle may still correct
-        self._holding: dict[str, tuple[Request, int, list]] = {}
-        self.start_time = time.perf_counter()
-        self.eos_token_id = self._eos_id()
-        #: seconds to build the engine: model load, workers, the profile run, the KV cache
-        self.startup_time_s = self.start_time - t0
-
-    def _make_kv_and_scheduler(self, num_cpu_blocks: int, clock=time.perf_counter) -> None:
-        """The KV-cache manager of ``kv_allocator`` over the planned pool, and the scheduler over it
-        (``clock``: the scheduler's time source; the simulator passes its simulated clock)."""
-        config = self.config
-        if config.kv_allocator == "paged":
-            self.kv = KVCacheManager(
-                self.memory.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
-            )
-        else:
-            self.kv = ContiguousKVCacheManager(self.memory.num_blocks, config.block_size, config.kv_allocator)
+        num_cpu_blocks = self._check_pool()
+        ex.check_fits(self.memory, num_cpu_blocks)
+        self.clock = clock or time.perf_counter
+        self.kv = make_kv_manager(config, self.memory.num_blocks, num_cpu_blocks)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -248,53 +154,45 @@ class LLMEngine:
             scheduling_policy=config.scheduling_policy,
             preemption_mode=config.preemption_mode,
             batching_policy=config.batching_policy,
-            clock=clock,
+            clock=self.clock,
         )
+        ex.init_cache(self.memory.num_blocks, num_cpu_blocks)
+        #: the KV pool's split, step by step, settled when requests release their blocks
+        self.accounting = PoolAccounting(self.kv)
+        self.requests: dict[str, Request] = {}  # every unfinished sequence, by its own id
+        self.groups: dict[str, list[Request]] = {}  # the user's request id -> its n sequences
+        self._refused: list[Request] = []
+        self._counter = 0
+        self._step = 0
+        self.start_time = self.clock()
+        #: seconds to build the engine: model load, workers, the profile run, the KV cache
+        self.startup_time_s = time.perf_counter() - t0
 
-    def _check_fits(self, num_cpu_blocks: int) -> None:
-        """Refuse a KV pool the machine cannot hold, before allocating it.
+    @property
+    def model(self):
+        """The model (rank 0's shard under tensor parallelism)."""
+        return self.executor.model
 
-        CPU: the pool, the swap pool and the weights against the machine's physical memory (a
-        ``device_memory`` or ``num_gpu_blocks_override`` larger than the RAM would otherwise end in
-        an allocation failure or the OOM killer). CUDA: the pool against the device's free memory.
-
-        Raises:
-            ValueError: naming the sizes and the fix.
-        """
-        m = self.memory
-        gib = 1 << 30
-        swap = num_cpu_blocks * m.block_bytes
-        if self.device.type == "cpu":
-            try:
-                ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            except (ValueError, OSError, AttributeError):
-                return
-            need = m.kv_pool_bytes + swap + m.weights_bytes
-            if need > ram:
-                raise ValueError(
-                    f"the KV pool ({m.kv_pool_bytes / gib:,.2f} GiB = {m.num_blocks:,} blocks) + swap space "
-                    f"({swap / gib:,.2f} GiB) + weights ({m.weights_bytes / gib:,.2f} GiB) need {need / gib:,.2f} GiB "
-                    f"but this machine has {ram / gib:,.2f} GiB of RAM; lower device_memory, "
-                    "num_gpu_blocks_override or kv_cache_memory_bytes (or swap_space)"
-                )
-        elif self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-            if m.kv_pool_bytes > free:
-                raise ValueError(
-                    f"the KV pool ({m.kv_pool_bytes / gib:,.2f} GiB = {m.num_blocks:,} blocks) exceeds the device's "
-                    f"free memory ({free / gib:,.2f} GiB); lower gpu_memory_utilization, num_gpu_blocks_override "
-                    "or kv_cache_memory_bytes"
-                )
+    def _check_pool(self) -> int:
+        """Refuse block maps of a huge pool; return the CPU swap pool's blocks (``preemption_mode="swap"``)."""
+        config, m = self.config, self.memory
+        if config.block_map_every and m.num_blocks > self.MAX_BLOCK_MAP_BLOCKS:
+            raise ValueError(
+                f"block_map_every={config.block_map_every} records a picture of every block, but the pool has "
+                f"{m.num_blocks:,} blocks (more than {self.MAX_BLOCK_MAP_BLOCKS:,}); size the pool with "
+                "num_gpu_blocks_override or kv_cache_memory_bytes, raise block_size, or set block_map_every=0"
+            )
+        if config.preemption_mode != "swap":
+            return 0
+        num_cpu_blocks = int(config.swap_space * GiB) // m.block_bytes
+        if num_cpu_blocks < 1:
+            raise ValueError(
+                f"swap_space={config.swap_space} GiB holds no KV block of {m.block_bytes:,} B; "
+                "raise swap_space or use preemption_mode='recompute'"
+            )
+        return num_cpu_blocks
 
     # ------------------------------------------------------------------ requests
-    def _eos_id(self) -> int | None:
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = self.tokenizer.eos_token_id
-        return eos
-
     def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
         """Token ids (and text) of a prompt; chat messages get the model's chat template.
 
@@ -386,12 +284,11 @@ class LLMEngine:
                 parent_id=request_id,
                 index=i,
             )
+            if not sp.greedy:
+                child.generator = torch.Generator(device="cpu")
+                child.generator.manual_seed(seed + i)
             group.append(child)
             self.requests[child.request_id] = child
-            if not sp.greedy:
-                g = torch.Generator(device="cpu")
-                g.manual_seed(seed + i)
-                self._generators[child.request_id] = g
         self.groups[request_id] = group
         req = group[0]
         n = len(ids)
@@ -432,8 +329,7 @@ class LLMEngine:
         """Stop the tensor-parallel workers and free the process group (no-op on one device;
         idempotent; also done at garbage collection and interpreter exit). Use the engine (or
         :class:`LLM`) as a context manager to call it on leaving the block."""
-        if self._tp is not None:
-            self._tp.shutdown()
+        self.executor.shutdown()
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -446,7 +342,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, run the model, sample, update. Returns the requests finished in it.
+        """Run one iteration: schedule, execute (model and sampling), update. Returns the requests
+        finished in it.
 
         Raises:
             TensorParallelError: (``tensor_parallel_size > 1``) a worker died, or hung past
@@ -454,116 +351,64 @@ class LLMEngine:
         """
         finished: list[Request] = self._refused
         self._refused = []
-        t_start = time.perf_counter()
+        t_start = self.clock()
         out = self.scheduler.schedule()
-        t_sched = time.perf_counter()
+        t_sched = self.clock()
         if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
             # cannot happen while the pool holds one max_model_len sequence (checked at startup);
             # fail loudly rather than spin
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting requests")
-        model_s = sample_s = 0.0
-        comm0 = self._tp.stats.copy() if self._tp is not None else None
-        if out.swap_out or out.block_copies or out.swap_in:
-            self.executor.copy_blocks(out.swap_out, out.block_copies, out.swap_in)
+        result = self.executor.execute_step(out, self.kv)
+        t_model = self.clock()
         if not out.is_empty:
-            inp = prepare_inputs(out, self.kv, self.device)
-            logits = self.executor.execute_model(inp)
-            t_model = time.perf_counter()
-            reqs = [s.request for s in inp.sampling]
-            toks = sample(logits, [r.sampling_params for r in reqs], [self._generators.get(r.request_id) for r in reqs])
-            t_end = time.perf_counter()
-            model_s, sample_s = t_model - t_sched, t_end - t_model
-            finished += self.scheduler.update(out, {r.request_id: t for r, t in zip(reqs, toks)}, t_end)
-        t_end = time.perf_counter()
+            finished += self.scheduler.update(out, result.sampled, t_model)
+        t_end = self.clock()
         if not out.is_empty or finished or out.preempted:
-            comm = self._tp.stats.since(comm0) if comm0 is not None else None
-            self._record_step(out, finished, t_start, t_end, t_sched - t_start, model_s, sample_s, comm)
+            self._record_step(out, finished, t_start, t_end, t_sched - t_start + result.overhead_s, result)
         outputs = []
         for r in finished:
             self.requests.pop(r.request_id, None)
-            self._generators.pop(r.request_id, None)
             group = self.groups.get(r.parent_id)
             if group is not None and all(c.is_finished for c in group):
                 del self.groups[r.parent_id]
                 outputs.append(self._output(group))
         return outputs
 
-    def _record_step(self, out, finished, t_start, t_end, sched_s, model_s, sample_s, comm=None) -> None:
-        running = self.scheduler.running
-        kv = self.kv
-        bs = kv.block_size
-        holding = self._holding
-        requests = self.requests
-        # paged without prefix caching: the §3 split's two sums are taken in this walk over the
-        # block tables (KVCacheManager.usage_from_sums), not in a second one (KVCacheManager.usage)
-        paged = isinstance(kv, KVCacheManager) and not kv.enable_prefix_caching
+    def _record_step(self, out: SchedulerOutput, finished, t_start, t_end, sched_s, result) -> None:
+        """The step's StepStats (with the KV pool's split), block map, and finished requests' records."""
+        kv, scheduler = self.kv, self.scheduler
         every = self.config.block_map_every
-        block_map = bool(every) and self._step % every == 0
-        keep_computed = block_map or not paged  # the per-request dict only where it is read
-        token_states = unwritten = 0
-        computed: dict[str, int] = {}
-        bound: dict[str, int] = {}
-        step_cell: list = [None]  # this step's StepStats, once built: entries refer to it
-        num_holding = 0
-        for rid, table in kv.block_tables.items():
-            entry = holding.get(rid)
-            if entry is None:
-                r = requests.get(rid)
-                if r is None:
-                    continue
-                # most KV slots it can write: prompt + output cap, less the last sampled token (never written)
-                entry = holding[rid] = (r, r.num_prompt_tokens + r.max_output_tokens - 1, [])
-            c = entry[0].num_computed_tokens
-            if keep_computed:
-                computed[rid] = c
-            held = len(table) * bs
-            if paged:
-                token_states += c
-                left = (held if held < entry[1] else entry[1]) - c
-                if left > 0:
-                    unwritten += left
-            else:
-                bound[rid] = entry[1]
-            entries = entry[2]
-            # A step in which the request held no more slots than it has written since can never be
-            # corrected by _settle (its final length >= written >= held there): keep only the others,
-            # so a long request keeps about one block's worth of steps, not every step.
-            if entries and entries[0][1] <= c:
-                k = 1
-                while k < len(entries) and entries[k][1] <= c:
-                    k += 1
-                del entries[:k]
-            entries.append((step_cell, held, c))
-            num_holding += 1
-        waiting = self.scheduler.waiting
+        want_map = bool(every) and self._step % every == 0
+        waiting = scheduler.waiting
         need = kv.reservation_blocks(waiting[0].request_id) if waiting else 0
-        usage = kv.usage_from_sums(token_states, unwritten) if paged else kv.usage(computed, bound, need)
+        cell: list = [None]  # this step's StepStats, once built: the accounting's entries refer to it
+        usage, computed = self.accounting.observe(self.requests, cell, need, want_map)
         n_prefill = out.num_prefill_reqs
-        st = StepStats(
+        st = cell[0] = StepStats(
             step=self._step,
             time_s=t_start - self.start_time,
             wall_time_s=t_end - t_start,
             schedule_time_s=sched_s,
-            model_time_s=model_s,
-            sample_time_s=sample_s,
+            model_time_s=result.model_time_s,
+            sample_time_s=result.sample_time_s,
             num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens,
             num_prefill_reqs=n_prefill,
             num_decode_reqs=len(out.scheduled) - n_prefill,
-            num_running=len(running),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_waiting=len(waiting),
             num_preemptions=len(out.preempted),
             num_preempted_recompute=out.num_preempted_recompute,
             num_preempted_swap=out.num_preempted_swap,
-            num_swapped=len(self.scheduler.swapped),
+            num_swapped=len(scheduler.swapped),
             swap_out_blocks=len(out.swap_out),
             swap_in_blocks=len(out.swap_in),
             cow_block_copies=len(out.block_copies),
             num_finished=len(finished),
-            num_blocks=self.kv.num_blocks,
-            blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
-            blocks_free=self.kv.num_free_blocks,
-            block_size=self.kv.block_size,
+            num_blocks=kv.num_blocks,
+            blocks_used=kv.num_blocks - kv.num_free_blocks,
+            blocks_free=kv.num_free_blocks,
+            block_size=kv.block_size,
             kv_bytes_per_token=self.memory.kv_bytes_per_token,
             token_states=usage.token_states,
             reservation=usage.reservation,
@@ -572,39 +417,19 @@ class LLMEngine:
             free=usage.free,
             kv_utilization=usage.kv_utilization,
             fragmentation_rate=usage.fragmentation_rate,
-            num_cached_free_blocks=self.kv.pool.num_cached_free_blocks if self.kv.enable_prefix_caching else 0,
+            num_cached_free_blocks=len(kv.cached_free_blocks()) if kv.enable_prefix_caching else 0,
             prefix_cache_queries=out.prefix_cache_queries,
             prefix_cache_hits=out.prefix_cache_hits,
-            **(comm.to_dict() if comm is not None else {}),
+            **(result.comm.to_dict() if result.comm is not None else {}),
         )
-        step_cell[0] = st
         self._step += 1
-        if len(holding) > num_holding:  # some request released its blocks since the last step
-            tables = self.kv.block_tables
-            for rid in [rid for rid in holding if rid not in tables]:
-                self._settle(rid)
-        if block_map:
-            self.recorder.record_block_map(self.kv.block_map(computed, need, st.step))
+        self.accounting.settle_released()
+        if want_map:
+            self.recorder.record_block_map(block_map(kv, computed, need, st.step))
         self.recorder.record_step(st)
         for r in finished:
-            self.kv.forget(r.request_id)
+            kv.forget(r.request_id)
             self.recorder.record_request(request_record(r, self.start_time))
-
-    def _settle(self, request_id: str) -> None:
-        """A request released its blocks (finished, aborted, preempted, swapped out): now that it is
-        known how many slots it wrote, move the slots it held but never wrote from *reservation*
-        to *internal fragmentation* in every step it held them (ARCHITECTURE §3)."""
-        req, bound, entries = self._holding.pop(request_id)
-        last_written = entries[-1][2] if entries else 0
-        # a recompute preemption resets num_computed_tokens: it then wrote what the last step saw
-        final = req.num_computed_tokens if req.num_computed_tokens >= last_written else last_written
-        for (st,), held, written in entries:
-            provisional = max(0, min(held, bound) - written)
-            true = max(0, min(held, final) - written)
-            delta = min(provisional - true, st.reservation)
-            if delta > 0:
-                st.reservation -= delta
-                st.internal_fragmentation += delta
 
     def _output(self, group: list[Request]) -> RequestOutput:
         outs = []
@@ -625,132 +450,4 @@ class LLMEngine:
         )
 
 
-class LLM:
-    """Offline batch inference, as vLLM's ``LLM``.
-
-    Args:
-        model: see :class:`EngineConfig` (default: the bundled SmolLM2-135M-Instruct).
-        **engine_args: any :class:`EngineConfig` field, with vLLM's names.
-
-    Raises:
-        ValueError / FileNotFoundError: a bad engine argument, before the model loads.
-    """
-
-    def __init__(self, model: str | None = None, recorder: Recorder | None = None, **engine_args) -> None:
-        if model is not None:
-            engine_args["model"] = model
-        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise ValueError(
-                f"unknown engine argument(s) {sorted(unknown)}; valid ones: "
-                f"{sorted(k for k in EngineConfig.__dataclass_fields__ if k != 'extra')}"
-            )
-        self.llm_engine = LLMEngine(EngineConfig(**engine_args), recorder=recorder)
-
-    @property
-    def tokenizer(self):
-        return self.llm_engine.tokenizer
-
-    def shutdown(self) -> None:
-        """Stop tensor-parallel workers (see :meth:`LLMEngine.shutdown`)."""
-        self.llm_engine.shutdown()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool | Callable = False,
-        priority: Sequence[int] | None = None,
-        expected_output_lens: Sequence[int] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt, batched by the engine; outputs come in the prompts' order.
-
-        Args:
-            prompts: one prompt or a list (strings, token-id lists, or chat message lists).
-            sampling_params: one for all, or one per prompt.
-            use_tqdm: show a progress bar of finished requests (or a tqdm-like factory).
-            priority: one per prompt (lower = sooner) under ``scheduling_policy="priority"``.
-            expected_output_lens: one true output length (tokens) per prompt, for
-                ``kv_allocator="orca-oracle"`` / ``"orca-pow2"`` (see :meth:`LLMEngine.add_request`).
-
-        Raises:
-            ValueError: an empty prompt or a mismatched number of sampling params; raised before
-                any request is queued, so nothing is lost.
-        """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        sps = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        if len(sps) != len(prompts):
-            raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
-        eng = self.llm_engine
-        tokenized = [eng.tokenize(p) for p in prompts]  # validate all before queueing any
-        base = eng._counter
-        ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        prios = list(priority) if priority is not None else [0] * len(prompts)
-        if len(prios) != len(prompts):
-            raise ValueError(f"{len(prios)} priorities for {len(prompts)} prompts; give one per prompt")
-        if any(prios) and eng.config.scheduling_policy != "priority":
-            raise ValueError(
-                f"priority is given but scheduling_policy={eng.config.scheduling_policy!r} ignores it; "
-                "create the LLM with scheduling_policy='priority'"
-            )
-        lens = list(expected_output_lens) if expected_output_lens is not None else [None] * len(prompts)
-        if len(lens) != len(prompts):
-            raise ValueError(f"{len(lens)} expected output lengths for {len(prompts)} prompts; give one per prompt")
-        if eng.config.kv_allocator in ("orca-oracle", "orca-pow2") and None in lens:
-            raise ValueError(
-                f"kv_allocator={eng.config.kv_allocator!r} needs each prompt's true output length: pass "
-                "expected_output_lens (e.g. from a kv_allocator='paged' run), or use kv_allocator='orca-max'"
-            )
-        for rid, p, sp, tok, pr, n in zip(ids, prompts, sps, tokenized, prios, lens):
-            eng.add_request(rid, p, sp, tokenized=tok, priority=pr, expected_output_len=n)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            factory = use_tqdm if callable(use_tqdm) else tqdm
-            bar = factory(total=len(prompts), desc="requests", unit="req")
-        results: dict[str, RequestOutput] = {}
-        last_postfix = 0.0
-        while eng.has_unfinished_requests():
-            finished = eng.step()
-            for o in finished:
-                results[o.request_id] = o
-                if bar is not None:
-                    bar.update(1)
-            if bar is not None and eng.recorder.steps:
-                s = eng.recorder.steps[-1]
-                now = time.perf_counter()
-                if now - last_postfix > 0.5:  # live figures while no request has finished yet
-                    bar.set_postfix(
-                        step=s.step,
-                        running=s.num_running,
-                        waiting=s.num_waiting,
-                        kv=f"{s.kv_utilization:.0%}",
-                        refresh=True,
-                    )
-                    last_postfix = now
-        if bar is not None:
-            if eng.recorder.steps:  # the last step's figures, not the last refresh's
-                s = eng.recorder.steps[-1]
-                bar.set_postfix(step=s.step, running=s.num_running, waiting=s.num_waiting, kv=f"{s.kv_utilization:.0%}")
-            bar.close()
-        return [results[i] for i in ids]
-
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for one conversation or a list of them (chat template applied)."""
-        if messages and isinstance(messages[0], dict):
-            messages = [messages]
-        return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm)
-
-
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "CompletionOutput"]
+__all__ = ["CompletionOutput", "LLMEngine", "RequestOutput", "make_executor", "resolve_lengths"]

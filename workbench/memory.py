@@ -28,6 +28,7 @@ figure is one rank's (its shard of the weights, its KV heads).
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from dataclasses import asdict, dataclass
 
@@ -378,7 +379,7 @@ def plan_memory(
             )
     else:
         if budget < block_bytes:
-            enough = (weights_bytes + act + outside + comm_buffer_bytes + max_model_len * per_token)
+            enough = weights_bytes + act + outside + comm_buffer_bytes + max_model_len * per_token
             enough /= gpu_memory_utilization
             raise ValueError(
                 f"not enough memory for the KV cache: capacity {capacity / mib:,.0f} MiB x gpu_memory_utilization "
@@ -413,3 +414,39 @@ def plan_memory(
             f"{max_model_len * per_token / mib:,.1f} MiB)"
         )
     return mb
+
+
+def check_fits(memory: MemoryBudget, device: torch.device, num_cpu_blocks: int = 0) -> None:
+    """Refuse a KV pool the machine cannot hold, before allocating it.
+
+    CPU: the pool, the swap pool and the weights against the machine's physical memory (a
+    ``device_memory`` or ``num_gpu_blocks_override`` larger than the RAM would otherwise end in
+    an allocation failure or the OOM killer). CUDA: the pool against the device's free memory.
+
+    Raises:
+        ValueError: naming the sizes and the fix.
+    """
+    m = memory
+    gib = 1 << 30
+    swap = num_cpu_blocks * m.block_bytes
+    if device.type == "cpu":
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+        need = m.kv_pool_bytes + swap + m.weights_bytes
+        if need > ram:
+            raise ValueError(
+                f"the KV pool ({m.kv_pool_bytes / gib:,.2f} GiB = {m.num_blocks:,} blocks) + swap space "
+                f"({swap / gib:,.2f} GiB) + weights ({m.weights_bytes / gib:,.2f} GiB) need {need / gib:,.2f} GiB "
+                f"but this machine has {ram / gib:,.2f} GiB of RAM; lower device_memory, "
+                "num_gpu_blocks_override or kv_cache_memory_bytes (or swap_space)"
+            )
+    elif device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if m.kv_pool_bytes > free:
+            raise ValueError(
+                f"the KV pool ({m.kv_pool_bytes / gib:,.2f} GiB = {m.num_blocks:,} blocks) exceeds the device's "
+                f"free memory ({free / gib:,.2f} GiB); lower gpu_memory_utilization, num_gpu_blocks_override "
+                "or kv_cache_memory_bytes"
+            )

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from workbench.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -22,9 +26,9 @@ class RequestStatus(enum.Enum):
         return self.name.startswith("FINISHED")
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One request inside the engine.
+    """One request inside the engine; compared by identity (two requests are never equal).
 
     ``token_ids`` is the prompt followed by the output so far; ``num_computed_tokens``
     counts the leading tokens whose K/V are in the cache. The tokens still to run
@@ -52,10 +56,11 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     num_prefill_chunks: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     priority: int = 0  # lower value = served first under scheduling_policy="priority" (vLLM's convention)
     parent_id: str | None = None  # the user's request id, for a parallel-sampling sibling
-    index: int = 0  # which of the n sequences this is  # prompt tokens served from the prefix cache at first admission
+    index: int = 0  # which of the n sequences this is
+    generator: torch.Generator | None = None  # the sampler's random stream (None: greedy)
 
     @property
     def token_ids(self) -> list[int]:

@@ -32,24 +32,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from workbench.kv.manager import KVCacheManager
+from workbench.kv.interface import KVManager
 from workbench.request import Request, RequestStatus
 
 #: values of ``batching_policy``
 BATCHING_POLICIES = ("continuous", "static", "grouped")
-
-
-def _remove_identical(q, request: Request) -> bool:
-    """Remove ``request`` itself (by identity) from a list or deque; False when absent.
-
-    ``list.remove`` / ``in`` compare with the dataclass ``__eq__``, which builds a tuple of every
-    field of every request passed over: per finished request that is O(queue) field tuples.
-    """
-    for i, r in enumerate(q):
-        if r is request:
-            del q[i]
-            return True
-    return False
 
 
 @dataclass(slots=True, init=False)
@@ -109,10 +96,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Continuous batching over a :class:`KVCacheManager`.
+    """Continuous batching over a KV manager (:class:`~workbench.kv.interface.KVManager`: the
+    scheduler uses that interface and nothing else of a manager).
 
     Args:
-        kv: the KV-cache manager.
+        kv: the KV manager.
         max_num_seqs: most running requests.
         max_num_batched_tokens: token budget of one step.
         enable_chunked_prefill: split prompts to fit the budget; when off, a prompt
@@ -135,7 +123,7 @@ class Scheduler:
 
     def __init__(
         self,
-        kv: KVCacheManager,
+        kv: KVManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
@@ -196,9 +184,11 @@ class Scheduler:
         self.kv.drop_swapped(request.request_id)
         # a running request is only in `running`; the waiting queue can hold thousands under overload
         for q in (self.running,) if was_running else (self.running, self.waiting, self.swapped):
-            _remove_identical(q, request)
+            if request in q:  # requests compare by identity
+                q.remove(request)
         for sibs in self.fork_pending.values():
-            _remove_identical(sibs, request)
+            if request in sibs:
+                sibs.remove(request)
         self._release_siblings(request)
 
     def _release_siblings(self, request: Request) -> None:
@@ -227,8 +217,16 @@ class Scheduler:
                 return 0
         return n
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        _remove_identical(self.running, victim)
+    def preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        """Preemption: take a running request off the batch to free KV memory for older ones.
+
+        By swap (``preemption_mode="swap"``, when the CPU swap pool has room): its blocks are
+        copied out (``out.swap_out``) and it waits in :attr:`swapped` to come back whole. By
+        recompute (otherwise): its blocks are freed, its computed tokens forgotten, and it goes
+        back to the front of the waiting queue to recompute prompt and output so far. vLLM
+        paper, Kwon et al., SOSP 2023, §4.5.
+        """
+        self.running.remove(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -253,7 +251,7 @@ class Scheduler:
                 return True
         return False
 
-    def _victim(self, scheduled_ids: set[str]) -> Request:
+    def _victim(self, scheduled_ids: set[str] | None) -> Request:
         if self.policy == "fcfs":
             victim = self.running[-1]
         else:
@@ -262,147 +260,157 @@ class Scheduler:
             # list in order would pick the first of equals, the request furthest along, and siblings
             # could then preempt each other forever
             victim = max((r for r in reversed(self.running) if r.request_id not in scheduled_ids), key=self._key)
-        if victim.request_id in scheduled_ids:
+        if scheduled_ids and victim.request_id in scheduled_ids:
             raise RuntimeError("KV pool exhausted by requests already scheduled this step")
         return victim
 
+    # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts, allocating their KV slots."""
-        out = self._schedule()
+        """Pick this step's requests and token counts, allocating their KV slots.
+
+        Three phases share the step's ``token_budget`` (``max_num_batched_tokens``): running
+        requests, then swapped requests coming back, then waiting requests admitted.
+        """
+        out = self._schedule_phases()
         if out.is_empty and not self.running and self.waiting and not out.swap_out:
             # Waiting requests that hold blocks (forked siblings) can pin the pool; release them
             # to recompute, so that the oldest request can always run.
             while self._release_waiting_holder():
                 pass
-            out = self._schedule()
+            out = self._schedule_phases()
         return out
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule_phases(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
+        token_budget = self.max_num_batched_tokens
+        token_budget = self._schedule_running(out, token_budget)
+        token_budget = self._schedule_swapped(out, token_budget)
+        if self.policy == "priority" and self.waiting:
+            self.waiting = deque(sorted(self.waiting, key=self._key))
+        if self.batching_policy == "continuous":
+            self._admit_waiting(out, token_budget)
+        else:
+            self._admit_batch(out, token_budget)
+        out.block_copies = self.kv.take_pending_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, token_budget: int) -> int:
+        """Phase 1: running requests, oldest (or highest priority) first; each gets its next
+        tokens, preempting the newest running request when the pool cannot back them.
+        Returns the token budget left."""
         if self.policy == "priority":
             self.running.sort(key=self._key)
-
-        # 1. running requests, oldest (or highest priority) first
-        i = 0
         running = self.running
-        kv = self.kv
-        allocate_slots = kv.allocate_slots
-        # a decode inside its last, unshared block needs nothing from the paged KV manager: the
-        # no-op case of KVCacheManager.allocate_slots, checked here without the call
-        paged = type(kv) is KVCacheManager
-        tables = kv.block_tables
-        ref_cnt = kv.pool.ref_cnt if paged else None
-        kbs = kv.block_size
-        shared = kv.pool.ever_shared if paged else True
-        scheduled = out.scheduled
-        num_decode_tokens = 0
+        tables = self.kv.block_tables
+        bs = self.kv.block_size
+        # the decode fast path: while no block is shared, a decode inside the blocks it holds needs
+        # nothing from the KV manager (KVManager.may_share_blocks; measured in docs/benchmarks.md)
+        skip_covered = not self.kv.may_share_blocks
         # only a priority victim is chosen among the requests not scheduled yet; the FCFS victim,
         # running[-1], comes after the request being scheduled, so never is one
-        by_priority = self.policy == "priority"
-        num_running = len(running)
-        while i < num_running and budget > 0:
+        scheduled_ids: set[str] | None = set() if self.policy == "priority" else None
+        num_decode_tokens = 0
+        i = 0
+        while i < len(running) and token_budget > 0:
             req = running[i]
             c = req.num_computed_tokens
-            room = False
             num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
             if num_tokens - c == 1:
                 n = 1  # a decode: what _chunk gives for one remaining token and budget > 0
-                if paged:
-                    t = tables.get(req.request_id)
-                    room = t is not None and len(t) * kbs > c and (not shared or ref_cnt[t[c // kbs]] <= 1)
+                t = tables.get(req.request_id)
+                covered = skip_covered and t is not None and len(t) * bs > c
             else:
-                n = self._chunk(req, budget)
+                n = self._chunk(req, token_budget)
                 if n == 0:
                     i += 1  # its whole prompt does not fit the rest of the budget; next step
                     continue
-            if not room:
-                while not allocate_slots(req.request_id, c + n, write_start=c):
-                    if self._release_waiting_holder():
-                        continue
-                    victim = self._victim(scheduled_ids)
-                    self._preempt(victim, out)
-                    if victim is req:
-                        break
-                else:
-                    room = True
-                num_running = len(running)  # preemptions removed requests
-                if not room:
-                    break  # req preempted itself: every request after it was preempted before it
+                covered = False
+            if not covered and not self._make_room(req, c, n, out, scheduled_ids):
+                break  # req preempted itself: every request after it was preempted before it
             s = ScheduledRequest(req, c, n, num_tokens)  # _add, inlined: this loop runs for every running request
-            scheduled.append(s)
+            out.scheduled.append(s)
             if s.is_prefill:
                 out.num_prefill_tokens += n
                 out.num_prefill_reqs += 1
                 req.num_prefill_chunks += 1
             else:
                 num_decode_tokens += n
-            if by_priority:
+            if scheduled_ids is not None:
                 scheduled_ids.add(req.request_id)
-            budget -= n
+            token_budget -= n
             i += 1
         out.num_decode_tokens += num_decode_tokens
+        return token_budget
 
-        # 2. swapped requests come back before new ones are admitted
-        if self.swapped and not out.preempted:
-            if self.policy == "priority":
-                self.swapped = deque(sorted(self.swapped, key=self._key))
-            while self.swapped and len(self.running) < self.max_num_seqs and budget > 0:
-                req = self.swapped[0]
-                n = self._chunk(req, budget)
-                c = req.num_computed_tokens
-                # come back only with room for this step's tokens too, else it would be swapped out again
-                if not n or not self.kv.can_swap_in(req.request_id, c + n):
-                    break
-                self.swapped.popleft()
-                out.swap_in.extend(self.kv.swap_in(req.request_id))
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                if self.kv.allocate_slots(req.request_id, c + n, write_start=c):
-                    self._add(out, req, n)
-                    scheduled_ids.add(req.request_id)
-                    budget -= n
+    def _make_room(self, req: Request, c: int, n: int, out: SchedulerOutput, scheduled_ids) -> bool:
+        """Back ``n`` more slots of a running request, preempting others until they fit; False when
+        the request itself had to be preempted."""
+        while not self.kv.allocate_slots(req.request_id, c + n, write_start=c):
+            if self._release_waiting_holder():
+                continue
+            victim = self._victim(scheduled_ids)
+            self.preempt(victim, out)
+            if victim is req:
+                return False
+        return True
 
-        # 3. waiting requests, only when nothing was preempted this step and none is swapped out
-        if self.policy == "priority" and self.waiting:
-            self.waiting = deque(sorted(self.waiting, key=self._key))
-        if self.batching_policy != "continuous":
-            self._admit_batch(out, budget, scheduled_ids)
-            out.block_copies = self.kv.pending_copies
-            self.kv.pending_copies = []
-            return out
+    def _schedule_swapped(self, out: SchedulerOutput, token_budget: int) -> int:
+        """Phase 2: swapped-out requests come back, oldest first, before any new request is
+        admitted, and only in a step that preempted nothing. Returns the token budget left."""
+        if not self.swapped or out.preempted:
+            return token_budget
+        if self.policy == "priority":
+            self.swapped = deque(sorted(self.swapped, key=self._key))
+        while self.swapped and len(self.running) < self.max_num_seqs and token_budget > 0:
+            req = self.swapped[0]
+            n = self._chunk(req, token_budget)
+            c = req.num_computed_tokens
+            # come back only with room for this step's tokens too, else it would be swapped out again
+            if not n or not self.kv.can_swap_in(req.request_id, c + n):
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(self.kv.swap_in(req.request_id))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if self.kv.allocate_slots(req.request_id, c + n, write_start=c):
+                self._add(out, req, n)
+                token_budget -= n
+        return token_budget
+
+    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+        """Phase 3: waiting requests admitted, first come first served (or by priority), while
+        fewer than ``max_num_seqs`` run and budget remains, and only when nothing was preempted
+        this step and none is swapped out; a prompt may start from prefix-cache hits."""
+        kv = self.kv
         while (
             self.waiting
-            and budget > 0
+            and token_budget > 0
             and len(self.running) < self.max_num_seqs
             and not out.preempted
             and not self.swapped
         ):
             req = self.waiting[0]
-            hits = self.kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else []
-            computed = req.num_computed_tokens + len(hits) * self.kv.block_size
-            n = self._chunk(req, budget, computed)
-            if n == 0:
+            hits = kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else []
+            computed = req.num_computed_tokens + len(hits) * kv.block_size
+            n = self._chunk(req, token_budget, computed)
+            if n == 0 or not kv.allocate_slots(req.request_id, computed + n, hits, write_start=computed):
                 break
-            if not self.kv.allocate_slots(req.request_id, computed + n, hits, write_start=computed):
-                break
-            if self.kv.enable_prefix_caching and req.num_preemptions == 0 and req.index == 0:
+            if kv.enable_prefix_caching and req.num_preemptions == 0 and req.index == 0:
                 out.prefix_cache_queries += req.num_prompt_tokens
                 out.prefix_cache_hits += computed
                 req.num_cached_tokens = computed
             req.num_computed_tokens = computed
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = self.clock()
-            self.running.append(req)
-            self._add(out, req, n)
-            scheduled_ids.add(req.request_id)
-            budget -= n
-        out.block_copies = self.kv.pending_copies
-        self.kv.pending_copies = []
-        return out
+            self._start(out, req, n)
+            token_budget -= n
+
+    def _start(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """A waiting request starts running with ``n`` tokens this step."""
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
+        self.running.append(req)
+        self._add(out, req, n)
 
     def _form_batch(self) -> None:
         """Choose the next static / grouped batch among the waiting requests."""
@@ -419,29 +427,23 @@ class Scheduler:
         self.batch = {r.request_id for r in members}
         self.num_batches += 1
 
-    def _admit_batch(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
-        """Static / grouped batching: admit the current batch's waiting members only; form a new
-        batch when every member of the last one has finished."""
+    def _admit_batch(self, out: SchedulerOutput, token_budget: int) -> None:
+        """Phase 3 of static / grouped batching: admit the current batch's waiting members only;
+        form a new batch when every member of the last one has finished."""
         if not self.batch and self.waiting and not self.running and not self.swapped:
             self._form_batch()
         if out.preempted or self.swapped:
             return
         for req in [r for r in self.waiting if r.request_id in self.batch]:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if token_budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            n = self._chunk(req, budget)
-            if n == 0 or not self.kv.allocate_slots(
-                req.request_id, req.num_computed_tokens + n, write_start=req.num_computed_tokens
-            ):
+            c = req.num_computed_tokens
+            n = self._chunk(req, token_budget)
+            if n == 0 or not self.kv.allocate_slots(req.request_id, c + n, write_start=c):
                 break
             self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = self.clock()
-            self.running.append(req)
-            self._add(out, req, n)
-            scheduled_ids.add(req.request_id)
-            budget -= n
+            self._start(out, req, n)
+            token_budget -= n
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         s = ScheduledRequest(req, req.num_computed_tokens, n)
@@ -475,15 +477,9 @@ class Scheduler:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             if bookkeeping:
-                if prefix_caching and (
-                    req.num_computed_tokens // kv.block_size > kv.num_hashed_blocks(req.request_id)
-                ):
+                if prefix_caching and (req.num_computed_tokens // kv.block_size > kv.num_hashed_blocks(req.request_id)):
                     kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-                if (
-                    fork_pending
-                    and req.request_id in fork_pending
-                    and req.num_computed_tokens >= req.num_prompt_tokens
-                ):
+                if fork_pending and req.request_id in fork_pending and req.num_computed_tokens >= req.num_prompt_tokens:
                     self._fork(req)
             tok = sampled.get(req.request_id)
             if tok is None:

@@ -1,15 +1,48 @@
-"""One process, one device: the model runner that turns a schedule into tensors and logits."""
+"""One process, one device: the executor that loads the model and runs each step's schedule.
+
+An executor is what :class:`~workbench.engine.LLMEngine` drives each step (ARCHITECTURE §5):
+``execute_step(scheduler_output, kv)`` makes the step's block copies, runs the model and samples,
+and returns a :class:`ModelRunnerOutput`. :class:`LocalExecutor` does this in this process;
+:class:`~workbench.executor.tensor_parallel.TensorParallelExecutor` over worker processes (both
+share :class:`ModelExecutor`); :class:`~workbench.sim.engine.SimulatedExecutor` with a cost model.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from workbench.attention import AttentionMetadata, DecodeGroup, get_backend
-from workbench.kv.manager import KVCacheManager, cdiv
+from workbench.config import EngineConfig
+from workbench.kv.interface import KVManager
+from workbench.kv.manager import cdiv
+from workbench.memory import MemoryBudget, check_fits, plan_memory, profile_activation_peak
 from workbench.model.llama import LlamaForCausalLM
+from workbench.model.loader import load_model
+from workbench.sampling import sample
 from workbench.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What an executor returns for one step (vLLM v1's name).
+
+    Attributes:
+        sampled: request id -> the token it sampled (requests that reached their last token).
+        model_time_s: seconds of input preparation, block copies and the forward.
+        sample_time_s: seconds of sampling.
+        overhead_s: seconds the executor attributes to the engine's own per-step work (a
+            simulated executor's modelled overhead; 0 for a real one, whose engine measures it).
+        comm: the step's collectives (``to_dict()`` gives StepStats' communication fields), or ``None``.
+    """
+
+    sampled: dict[str, int]
+    model_time_s: float = 0.0
+    sample_time_s: float = 0.0
+    overhead_s: float = 0.0
+    comm: object | None = None
 
 
 @dataclass
@@ -34,7 +67,7 @@ class ModelInput:
     order: list[ScheduledRequest] = field(default_factory=list)
 
 
-def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: torch.device) -> ModelInput:
+def prepare_inputs(out: SchedulerOutput, kv: KVManager, device: torch.device) -> ModelInput:
     """Lay out a step: one-token sequences first (batched decode path), then multi-token ones."""
     # one-token sequences sorted by context length, so that length groups are contiguous
     decodes = sorted((s for s in out.scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
@@ -85,8 +118,8 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: torch.devic
     return ModelInput(t(ids), t(pos), meta, t(logits_idx), sampling, decodes + prefills)
 
 
-class LocalExecutor:
-    """Runs the model in this process and owns the KV cache tensors.
+class ModelRunner:
+    """Runs a model (or one rank's shard) on one device and owns its KV cache tensors.
 
     Args:
         model: the loaded model (weights already on ``device`` in their dtype).
@@ -156,3 +189,127 @@ class LocalExecutor:
         """Logits ``[num_sampling, vocab_size]`` (float32) of the sampling tokens."""
         inp.meta.backend = self.attn_backend
         return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.logits_indices)
+
+
+class ModelExecutor:
+    """What the executors of a real model share: the model's files, the memory budget, the step.
+
+    Subclasses build the model for a length (:meth:`load_model`), measure the activation peak
+    (:meth:`profile_activation_peak`), allocate the cache (:meth:`init_cache`) and run a forward
+    (``execute_model(ModelInput) -> logits``) and block copies (``copy_blocks``).
+
+    Args:
+        config: the engine arguments.
+
+    Raises:
+        FileNotFoundError / ValueError: the model cannot be read (see :func:`workbench.model.loader.load_model`).
+    """
+
+    comm_buffer_bytes = 0
+    stats = None  # cumulative CommStats of tensor-parallel executors
+
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.device = config.torch_device
+        loaded = load_model(config.model, config.resolved_cache_dir, config.tokenizer)
+        self.hf_config, self.tokenizer, self.model_folder = loaded.hf_config, loaded.tokenizer, loaded.folder
+        self._state_dict = loaded.state_dict
+        self.model_name = "the model's"
+        self.max_position_embeddings = getattr(self.hf_config, "max_position_embeddings", None)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos
+        self.load_time_s = time.perf_counter() - t0
+
+    def memory_budget(self, max_model_len: int, max_num_batched_tokens: int) -> MemoryBudget:
+        """The KV budget (:func:`workbench.memory.plan_memory`) after vLLM's profile run: the peak of
+        one forward at the step's token budget, unless the pool's size is given."""
+        c = self.config
+        device_memory = c.device_memory
+        if device_memory is None and self.device.type == "cpu":
+            device_memory = EngineConfig.DEFAULT_CPU_DEVICE_MEMORY
+        activation = 0
+        if c.num_gpu_blocks_override is None and c.kv_cache_memory_bytes is None:
+            activation = self.profile_activation_peak(
+                max_num_batched_tokens, max_model_len, c.max_num_seqs, c.block_size
+            )
+        return plan_memory(
+            hf_config=self.hf_config,
+            device=self.device,
+            device_memory=device_memory,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            weights_bytes=self.model.weight_bytes(),
+            kv_dtype=c.kv_torch_dtype,
+            block_size=c.block_size,
+            max_model_len=max_model_len,
+            activation_bytes=activation,
+            num_gpu_blocks_override=c.num_gpu_blocks_override,
+            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            tensor_parallel_size=c.tensor_parallel_size,
+            comm_buffer_bytes=self.comm_buffer_bytes,
+        )
+
+    def check_fits(self, memory: MemoryBudget, num_cpu_blocks: int) -> None:
+        """Refuse a pool this machine cannot hold (:func:`workbench.memory.check_fits`)."""
+        check_fits(memory, self.device, num_cpu_blocks)
+
+    @torch.inference_mode()
+    def execute_step(self, out: SchedulerOutput, kv: KVManager) -> ModelRunnerOutput:
+        """Run one step: block copies, inputs laid out from the block tables, forward, sampling."""
+        t0 = time.perf_counter()
+        comm0 = self.stats.copy() if self.stats is not None else None
+        if out.swap_out or out.block_copies or out.swap_in:
+            self.copy_blocks(out.swap_out, out.block_copies, out.swap_in)
+        if out.is_empty:
+            return ModelRunnerOutput({}, time.perf_counter() - t0)
+        inp = prepare_inputs(out, kv, self.device)
+        logits = self.execute_model(inp)
+        t1 = time.perf_counter()
+        reqs = [s.request for s in inp.sampling]
+        toks = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        comm = self.stats.since(comm0) if comm0 is not None else None
+        return ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(reqs, toks)}, t1 - t0, time.perf_counter() - t1, 0, comm
+        )
+
+    def shutdown(self) -> None:
+        """Release what the executor holds (worker processes); idempotent."""
+
+
+class LocalExecutor(ModelExecutor):
+    """The model in this process, on ``config.device`` in ``config.dtype``."""
+
+    def load_model(self, max_model_len: int) -> None:
+        """Build the model with RoPE tables for ``max_model_len`` positions and load its weights."""
+        cfg = self.hf_config
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, max_model_len)
+        model = model.to_empty(device="cpu")
+        model.rotary = type(model.rotary)(cfg, max_model_len)  # buffers are not in the checkpoint
+        model.load_hf_state_dict(self._state_dict)
+        del self._state_dict
+        self.model = model.to(device=self.device, dtype=self.config.torch_dtype).eval()
+        self.model.rotary.float()  # keep RoPE tables in float32, as transformers does
+
+    def profile_activation_peak(self, num_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int) -> int:
+        key = (str(self.model_folder), str(self.config.torch_dtype), str(self.device))
+        return profile_activation_peak(self.model, num_tokens, max_model_len, max_num_seqs, block_size, key=key)
+
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the KV cache tensors (and the CPU swap pool's)."""
+        c = self.config
+        self.runner = ModelRunner(
+            self.model, num_blocks, c.block_size, c.kv_torch_dtype, self.device, num_cpu_blocks, c.attention_backend
+        )
+        self.kv_caches, self.attn_backend = self.runner.kv_caches, self.runner.attn_backend
+
+    def copy_blocks(self, swap_out, copies, swap_in) -> None:
+        self.runner.copy_blocks(swap_out, copies, swap_in)
+
+    def execute_model(self, inp: ModelInput) -> torch.Tensor:
+        """Logits ``[num_sampling, vocab_size]`` (float32) of the sampling tokens."""
+        return self.runner.execute_model(inp)

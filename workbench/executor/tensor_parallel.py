@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.comm import CommStats, Timed, nccl_buffer_bytes
-from workbench.executor.local import LocalExecutor, ModelInput
+from workbench.executor.local import ModelExecutor, ModelInput, ModelRunner
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.parallel import TensorParallelGroup, check_tensor_parallel, shard_hf_state_dict
 
@@ -163,7 +163,7 @@ class _Rank:
         self.model = build_model(
             setup["hf_config"], setup["state_dict"], setup["max_model_len"], setup["dtype"], self.device, self.tp
         )
-        self.local: LocalExecutor | None = None
+        self.local: ModelRunner | None = None
         self.comm_buffer_bytes = self._first_collectives(setup["hf_config"].hidden_size, setup["dtype"])
 
     def _first_collectives(self, hidden: int, dtype) -> int | None:
@@ -196,9 +196,7 @@ class _Rank:
             return self.local.copy_blocks(*msg[1:])
         if op == "init_cache":
             num_blocks, block_size, kv_dtype, num_cpu_blocks, backend = msg[1:]
-            self.local = LocalExecutor(
-                self.model, num_blocks, block_size, kv_dtype, self.device, num_cpu_blocks, backend
-            )
+            self.local = ModelRunner(self.model, num_blocks, block_size, kv_dtype, self.device, num_cpu_blocks, backend)
             return None
         if op == "profile":
             from workbench.memory import profile_activation_peak
@@ -399,16 +397,13 @@ class _Runtime:
                 os.environ[k] = v
 
 
-class TensorParallelExecutor:
+class TensorParallelExecutor(ModelExecutor):
     """Rank 0 of a tensor-parallel group, in the engine's process (see the module docstring).
 
     Args:
         config: the engine's :class:`~workbench.config.EngineConfig` (``tensor_parallel_size``,
-            ``device``, ``dtype``, ``distributed_timeout_s``, ``nccl_*``).
-        hf_config: the model's transformers config.
-        state_dict: the whole model's weights, transformers names (rank 0 takes its shard;
-            workers load the checkpoint themselves).
-        max_model_len: RoPE table length (tokens).
+            ``device``, ``dtype``, ``distributed_timeout_s``, ``nccl_*``); the model's files are
+            read here, the workers start in :meth:`load_model`.
         world_size: ranks; ``None`` = ``config.tensor_parallel_size`` (1 gives a one-rank group,
             e.g. to measure a single NCCL communicator).
 
@@ -426,11 +421,18 @@ class TensorParallelExecutor:
         TensorParallelError: a worker failed while starting.
     """
 
-    def __init__(self, config, hf_config, state_dict, max_model_len: int, world_size: int | None = None) -> None:
-        check_not_bootstrapping()
+    def __init__(self, config, world_size: int | None = None) -> None:
+        check_not_bootstrapping()  # before the weights: a worker re-running an unguarded script
+        super().__init__(config)
         n = config.tensor_parallel_size if world_size is None else world_size
-        check_tensor_parallel(hf_config, n, name=f"model={config.model!r}")
+        check_tensor_parallel(self.hf_config, n, name=f"model={config.model!r}")
         self.world_size = n
+
+    def load_model(self, max_model_len: int) -> None:
+        """Start the workers and the process group; every rank builds its shard for ``max_model_len``."""
+        config, hf_config, n = self.config, self.hf_config, self.world_size
+        state_dict = self._state_dict
+        del self._state_dict
         device = config.torch_device
         backend = "nccl" if device.type == "cuda" else "gloo"
         self.backend = backend
@@ -611,9 +613,10 @@ class TensorParallelExecutor:
         msg = ("profile", num_tokens, max_model_len, max_num_seqs, block_size)
         return self._run(msg, lambda: self._rank.handle(msg), "profiling activations")
 
-    def init_cache(self, num_blocks: int, block_size: int, kv_dtype, num_cpu_blocks: int, attention_backend: str):
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate every rank's KV cache: ``[2, num_blocks, block_size, KV heads per rank, head_dim]`` per layer."""
-        msg = ("init_cache", num_blocks, block_size, kv_dtype, num_cpu_blocks, attention_backend)
+        c = self.config
+        msg = ("init_cache", num_blocks, c.block_size, c.kv_torch_dtype, num_cpu_blocks, c.attention_backend)
         self._run(msg, lambda: self._rank.handle(msg), "allocating the KV cache")
         self.attn_backend = self._rank.local.attn_backend
         self.kv_caches = self._rank.local.kv_caches
@@ -631,11 +634,12 @@ class TensorParallelExecutor:
 
     def shutdown(self) -> None:
         """Stop and reap the workers, destroy the process group (idempotent)."""
-        self._rt.close()
+        if hasattr(self, "_rt"):  # no workers before load_model
+            self._rt.close()
 
     @property
     def is_alive(self) -> bool:
-        return not self._rt.closed
+        return hasattr(self, "_rt") and not self._rt.closed
 
 
 # ---------------------------------------------------------------------- torchrun entry

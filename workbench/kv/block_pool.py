@@ -52,6 +52,10 @@ class BlockPool:
         """Free blocks that still hold a cached prefix block (reusable by a hit)."""
         return sum(1 for b in self._free if self.block_hash[b] is not None)
 
+    def cached_free_blocks(self) -> list[int]:
+        """The free blocks that still hold a cached prefix block, in eviction order."""
+        return [b for b in self._free if self.block_hash[b] is not None]
+
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (reference count 1 each), evicting cached content LRU-first.
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from bisect import insort
 
-from workbench.kv.manager import KVUsage, cdiv
+from workbench.kv.interface import KVManager
+from workbench.kv.manager import cdiv
 
 #: allocator names accepted by ``EngineConfig.kv_allocator``
 CONTIGUOUS_ALLOCATORS = ("static", "orca-max", "orca-pow2", "orca-oracle")
@@ -90,11 +91,13 @@ def reservation_tokens(
     raise ValueError(f"kv_allocator={allocator!r} is not contiguous; use one of {CONTIGUOUS_ALLOCATORS}")
 
 
-class ContiguousKVCacheManager:
+class ContiguousKVCacheManager(KVManager):
     """First-fit contiguous reservation over one block address range.
 
-    Same interface as :class:`~workbench.kv.manager.KVCacheManager` (the scheduler and the model
-    runner cannot tell them apart), plus :meth:`declare` for each request's reservation size.
+    The :class:`~workbench.kv.interface.KVManager` interface (the scheduler and the model runner
+    cannot tell it from paged allocation); :meth:`declare` sets each request's reservation size.
+    No prefix caching, swapping or forking (the interface's defaults: nothing cached, no swap
+    space, ``fork`` refused).
 
     Args:
         num_blocks: blocks in the pool (the address range is ``0 .. num_blocks-1``).
@@ -102,13 +105,10 @@ class ContiguousKVCacheManager:
         allocator: a name from :data:`CONTIGUOUS_ALLOCATORS` (for reports).
     """
 
-    enable_prefix_caching = False
-    swap_pool = None
-
     def __init__(self, num_blocks: int, block_size: int, allocator: str = "static") -> None:
         if allocator not in CONTIGUOUS_ALLOCATORS:
             raise ValueError(f"allocator={allocator!r} must be one of {CONTIGUOUS_ALLOCATORS}")
-        self.allocator = allocator
+        self.allocator = self.name = allocator
         self.block_size = block_size
         self._num_blocks = num_blocks
         self.block_tables: dict[str, list[int]] = {}
@@ -116,8 +116,6 @@ class ContiguousKVCacheManager:
         self.regions: list[tuple[int, int, str]] = []
         self._reserve: dict[str, int] = {}  # request -> reserved tokens (declared)
         self._used_blocks = 0
-        self.pending_copies: list[tuple[int, int]] = []
-        self.swapped_tables: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ reservation
     def declare(self, request_id: str, reserve_tokens: int) -> None:
@@ -128,8 +126,8 @@ class ContiguousKVCacheManager:
         """Blocks the request reserves at admission (0 if it was never declared)."""
         return cdiv(self._reserve.get(request_id, 0), self.block_size)
 
-    def holes(self) -> list[tuple[int, int]]:
-        """Free runs ``(start, num_blocks)`` in address order."""
+    def free_runs(self) -> list[tuple[int, int]]:
+        """Free runs ``(start, num_blocks)`` in address order (the holes between regions)."""
         out = []
         cur = 0
         for start, n, _ in self.regions:
@@ -142,7 +140,7 @@ class ContiguousKVCacheManager:
 
     def first_fit(self, num_blocks: int) -> int | None:
         """Start of the lowest-addressed hole of at least ``num_blocks`` blocks, or ``None``."""
-        for start, n in self.holes():
+        for start, n in self.free_runs():
             if n >= num_blocks:
                 return start
         return None
@@ -155,25 +153,6 @@ class ContiguousKVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self._num_blocks - self._used_blocks
-
-    @property
-    def pool_tokens(self) -> int:
-        return self._num_blocks * self.block_size
-
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        return []
-
-    def num_hashed_blocks(self, request_id: str) -> int:
-        return 0
-
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        return None
-
-    def can_swap_out(self, request_id: str) -> bool:
-        return False
-
-    def drop_swapped(self, request_id: str) -> None:
-        return None
 
     def allocate_slots(
         self, request_id: str, num_total_tokens: int, cached_blocks=(), write_start: int | None = None
@@ -213,87 +192,6 @@ class ContiguousKVCacheManager:
     def forget(self, request_id: str) -> None:
         """Drop the request's declared reservation (it has ended)."""
         self._reserve.pop(request_id, None)
-
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
-        raise NotImplementedError("contiguous allocators do not share blocks: parallel sampling (n > 1) needs paged")
-
-    def get_block_table(self, request_id: str) -> list[int]:
-        return self.block_tables.get(request_id, [])
-
-    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Slots of positions ``start .. end-1``: the region's first slot + position."""
-        base = self.block_tables[request_id][0] * self.block_size
-        return list(range(base + start, base + end))
-
-    # ---------------------------------------------------------------- figures
-    def external_free_slots(self, waiting_need_blocks: int) -> int:
-        """Free slots in holes smaller than ``waiting_need_blocks`` (0 when nothing waits)."""
-        if waiting_need_blocks <= 0:
-            return 0
-        return sum(n for _, n in self.holes() if n < waiting_need_blocks) * self.block_size
-
-    def usage(
-        self,
-        num_computed: dict[str, int],
-        final_bound: dict[str, int] | None = None,
-        waiting_need_blocks: int = 0,
-    ) -> KVUsage:
-        """The pool split of ARCHITECTURE §3 (token slots); see :meth:`KVCacheManager.usage`.
-
-        Args:
-            num_computed: tokens with K/V in the cache, per request holding a region.
-            final_bound: most KV slots each request can ever write (prompt + output cap - 1);
-                allocated slots below it and not yet written are *reservation*, those beyond it
-                *internal fragmentation*. ``None``: every unwritten slot is reservation.
-            waiting_need_blocks: the reservation (blocks) of the first waiting request; free
-                holes smaller than it are *external fragmentation*.
-        """
-        allocated = self._used_blocks * self.block_size
-        token_states = sum(num_computed.get(r, 0) for r in self.block_tables)
-        reservation = 0
-        for r, table in self.block_tables.items():
-            size = len(table) * self.block_size
-            bound = size if final_bound is None else min(size, final_bound.get(r, size))
-            reservation += max(0, bound - num_computed.get(r, 0))
-        free_all = self.pool_tokens - allocated
-        external = self.external_free_slots(waiting_need_blocks)
-        return KVUsage(
-            pool=self.pool_tokens,
-            token_states=token_states,
-            reservation=reservation,
-            internal_fragmentation=allocated - token_states - reservation,
-            external_fragmentation=external,
-            free=free_all - external,
-        )
-
-    def block_map(self, num_computed: dict[str, int], waiting_need_blocks: int = 0, step: int = 0) -> dict:
-        """A per-block picture of the pool (see :func:`workbench.kv.manager.block_map_snapshot`)."""
-        owner = [-1] * self._num_blocks
-        filled = [0] * self._num_blocks
-        state = ["free"] * self._num_blocks
-        ids: list[str] = []
-        for start, n, rid in self.regions:
-            k = len(ids)
-            ids.append(rid)
-            c = num_computed.get(rid, 0)
-            for i in range(n):
-                owner[start + i] = k
-                filled[start + i] = max(0, min(self.block_size, c - i * self.block_size))
-                state[start + i] = "used"
-        if waiting_need_blocks > 0:
-            for s, n in self.holes():
-                if n < waiting_need_blocks:
-                    for b in range(s, s + n):
-                        state[b] = "external"
-        return {
-            "step": step,
-            "allocator": self.allocator,
-            "block_size": self.block_size,
-            "owner": owner,
-            "owner_ids": ids,
-            "filled": filled,
-            "state": state,
-        }
 
     def check_invariants(self) -> None:
         """Assert that regions are disjoint, inside the range, and match the block tables (for tests)."""

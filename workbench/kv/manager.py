@@ -1,4 +1,4 @@
-"""The KV-cache manager: block tables, slot allocation, prefix caching and the memory figures.
+"""The paged KV-cache manager: block tables, slot allocation, prefix caching, swapping.
 
 Paged allocation as in PagedAttention (Kwon et al., SOSP 2023, §4.1–4.2): a
 request's K/V live in fixed-size blocks that need not be contiguous; its block
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass
 
 from workbench.kv.block_pool import BlockPool
+from workbench.kv.interface import KVManager
 
 
 def cdiv(a: int, b: int) -> int:
@@ -33,35 +33,8 @@ def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
-@dataclass
-class KVUsage:
-    """The pool split of ARCHITECTURE §3, in token slots (multiply by KV bytes per token for bytes).
-
-    ``token_states + reservation + internal_fragmentation + external_fragmentation + free == pool``.
-    """
-
-    pool: int
-    token_states: int
-    reservation: int
-    internal_fragmentation: int
-    external_fragmentation: int
-    free: int
-
-    @property
-    def kv_utilization(self) -> float:
-        """token states / pool (0..1)."""
-        return self.token_states / self.pool if self.pool else 0.0
-
-    @property
-    def fragmentation_rate(self) -> float:
-        """(reservation + internal + external) / (pool - free): the share of occupied memory holding no token state."""
-        used = self.pool - self.free
-        waste = self.reservation + self.internal_fragmentation + self.external_fragmentation
-        return waste / used if used else 0.0
-
-
-class KVCacheManager:
-    """Allocates token slots for requests, block by block.
+class KVCacheManager(KVManager):
+    """Paged allocation (the :class:`~workbench.kv.interface.KVManager` interface): token slots, block by block.
 
     Args:
         num_blocks: blocks in the pool.
@@ -69,6 +42,8 @@ class KVCacheManager:
         enable_prefix_caching: keep full blocks findable by content hash.
         num_cpu_blocks: blocks of the CPU swap pool (0 = no swapping).
     """
+
+    name = "paged"
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
@@ -130,9 +105,15 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
-    def pool_tokens(self) -> int:
-        """Token slots in the pool."""
-        return self.pool.num_blocks * self.block_size
+    def may_share_blocks(self) -> bool:
+        return self.pool.ever_shared
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def cached_free_blocks(self) -> list[int]:
+        return self.pool.cached_free_blocks()
 
     def allocate_slots(
         self,
@@ -258,133 +239,6 @@ class KVCacheManager:
         table = self.block_tables.pop(request_id, None)
         if table:
             self.pool.free(table)
-
-    def get_block_table(self, request_id: str) -> list[int]:
-        return self.block_tables.get(request_id, [])
-
-    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Physical slot of each token position ``start .. end-1``: ``block_table[p // bs] * bs + p % bs``."""
-        bs = self.block_size
-        table = self.block_tables[request_id]
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def usage(
-        self,
-        num_computed: dict[str, int],
-        final_bound: dict[str, int] | None = None,
-        waiting_need_blocks: int = 0,
-    ) -> KVUsage:
-        """The pool split after a step (ARCHITECTURE §3), in token slots.
-
-        Allocated slots that hold no token state are *reservation* when the request may still
-        write them (below ``final_bound``) and *internal fragmentation* otherwise. Which of them a
-        request really writes is known only when it ends; the engine then moves the unwritten
-        part from reservation to internal fragmentation in the recorded steps
-        (:meth:`workbench.engine.LLMEngine` does this), so a run's figures are exact.
-
-        Args:
-            num_computed: tokens with K/V in the cache, per request holding blocks.
-            final_bound: most KV slots each request can ever write (prompt + output cap - 1);
-                ``None`` counts every unwritten allocated slot as internal fragmentation.
-            waiting_need_blocks: ignored (paged allocation has no external fragmentation: any
-                free block serves any request).
-        """
-        bs = self.block_size
-        if self.enable_prefix_caching:
-            # a block shared by several requests holds its token states once
-            filled: dict[int, int] = {}
-            for r, table in self.block_tables.items():
-                n = num_computed.get(r, 0)
-                for i, b in enumerate(table):
-                    f = min(bs, n - i * bs)
-                    if f <= 0:
-                        break
-                    if f > filled.get(b, 0):
-                        filled[b] = f
-            token_states = sum(filled.values())
-        else:
-            token_states = sum(num_computed.get(r, 0) for r in self.block_tables)
-        unwritten = None
-        if final_bound is not None:
-            unwritten = 0
-            get_c = num_computed.get
-            get_b = final_bound.get
-            for r, table in self.block_tables.items():
-                left = min(len(table) * bs, get_b(r, 0)) - get_c(r, 0)
-                if left > 0:
-                    unwritten += left
-        return self.usage_from_sums(token_states, unwritten)
-
-    def usage_from_sums(self, token_states: int, unwritten_below_bound: int | None = None) -> KVUsage:
-        """The pool split of :meth:`usage` from its two sums (token slots), for a caller that
-        already walks the block tables (the engine's step record).
-
-        Args:
-            token_states: slots holding K/V (shared blocks counted once).
-            unwritten_below_bound: over the requests holding blocks, the allocated slots below
-                each one's ``final_bound`` not written yet (``None``: all waste is internal
-                fragmentation).
-        """
-        bs = self.block_size
-        allocated = (self.pool.num_blocks - self.pool.num_free_blocks) * bs
-        waste = allocated - token_states
-        reservation = 0 if unwritten_below_bound is None else min(unwritten_below_bound, waste)
-        return KVUsage(
-            pool=self.pool_tokens,
-            token_states=token_states,
-            reservation=reservation,
-            internal_fragmentation=waste - reservation,
-            external_fragmentation=0,
-            free=self.pool.num_free_blocks * bs,
-        )
-
-    def block_map(self, num_computed: dict[str, int], waiting_need_blocks: int = 0, step: int = 0) -> dict:
-        """A per-block picture of the pool, for the block-map figure.
-
-        Returns:
-            ``{"step", "allocator", "block_size", "owner", "owner_ids", "filled", "state"}``:
-            ``owner[b]`` indexes ``owner_ids`` (the first request holding block ``b``) or is -1;
-            ``filled[b]`` = slots of ``b`` holding token states; ``state[b]`` is ``"used"``,
-            ``"free"``, or ``"cached"`` (free but holding a prefix-cached block).
-        """
-        bs = self.block_size
-        n = self.pool.num_blocks
-        owner = [-1] * n
-        filled = [0] * n
-        state = ["free"] * n
-        ids: list[str] = []
-        for r, table in self.block_tables.items():
-            k = len(ids)
-            ids.append(r)
-            c = num_computed.get(r, 0)
-            for i, b in enumerate(table):
-                if owner[b] < 0:
-                    owner[b] = k
-                state[b] = "used"
-                filled[b] = max(filled[b], max(0, min(bs, c - i * bs)))
-        if self.enable_prefix_caching:
-            for b in range(n):
-                if state[b] == "free" and self.pool.block_hash[b] is not None:
-                    state[b] = "cached"
-        return {
-            "step": step,
-            "allocator": "paged",
-            "block_size": bs,
-            "owner": owner,
-            "owner_ids": ids,
-            "filled": filled,
-            "state": state,
-        }
-
-    # the contiguous allocators' reservation interface; paged allocation reserves nothing ahead
-    def declare(self, request_id: str, reserve_tokens: int) -> None:
-        return None
-
-    def forget(self, request_id: str) -> None:
-        return None
-
-    def reservation_blocks(self, request_id: str) -> int:
-        return 0
 
     def check_invariants(self) -> None:
         """Assert that block tables and reference counts agree (for tests)."""

@@ -1,9 +1,9 @@
-"""The simulated engine: the real scheduler and KV manager driven by a cost model on a simulated clock.
+"""The simulated engine: the real engine, scheduler and KV manager, with a cost model for an
+executor and a simulated clock (ARCHITECTURE §5).
 
-:class:`SimEngine` is an :class:`~workbench.engine.LLMEngine` without a model: the same
-:class:`~workbench.scheduler.Scheduler`, the same KV-cache managers (paged or contiguous), the
-same request bookkeeping (:meth:`LLMEngine.add_request`) and the same per-step records
-(``LLMEngine._record_step``: StepStats with the settled waste breakdown, request records), so a
+:class:`SimEngine` is :class:`~workbench.engine.LLMEngine` given a :class:`SimulatedExecutor` and a
+:class:`SimClock`: the same construction and validation, the same scheduler, KV managers, request
+bookkeeping, step and records (StepStats with the settled waste breakdown, request records), so a
 simulated run folder reads like a real one. What differs:
 
 * the executor is :class:`SimulatedExecutor`: for each ``SchedulerOutput`` it returns the step's
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from workbench.catalog import ModelArch
-from workbench.config import EngineConfig, GiB
-from workbench.engine import LLMEngine, resolve_lengths
-from workbench.memory import activation_peak_bytes, plan_memory
-from workbench.metrics import Recorder, StepStats
-from workbench.request import Request
+from workbench.config import EngineConfig
+from workbench.engine import LLMEngine
+from workbench.executor.local import ModelRunnerOutput
+from workbench.memory import MemoryBudget, activation_peak_bytes, plan_memory
+from workbench.metrics import CallbackSink, Recorder
 from workbench.sampling import SamplingParams
 from workbench.scheduler import SchedulerOutput
 from workbench.sim.cost import DTYPE_BYTES, CostModel, Efficiency, StepCost, StepShape
@@ -124,41 +124,104 @@ class SimSpec:
     nccl_nchannels: int | None = None
 
 
-@dataclass
-class SimStepResult:
-    """What the simulated executor returns for one step.
+class SimClock:
+    """Simulated seconds, from 0: the clock stands still while the engine schedules and records;
+    :class:`SimulatedExecutor` advances it by each step's priced duration."""
 
-    Attributes:
-        duration_s: simulated seconds the step takes.
-        num_sampled: sequences that sample a token.
-        cost: the cost model's breakdown.
-        sampled: the token each sampling request draws (request id -> token id): :data:`SIM_EOS`
-            where its stop length says it ends, else 0.
-    """
+    def __init__(self) -> None:
+        self.now = 0.0
 
-    duration_s: float
-    num_sampled: int
-    cost: StepCost
-    sampled: dict = field(default_factory=dict)
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now = self.now + seconds
+
+    def jump_to(self, t: float) -> None:
+        """Idle until ``t`` (no-op when it is past)."""
+        self.now = max(self.now, t)
 
 
 class SimulatedExecutor:
     """The executor of a simulated run: no weights, no tensors (ARCHITECTURE §5).
 
+    Prices each step with the cost model, advances the clock by its duration, and "samples" one
+    token per sampling sequence: :data:`SIM_EOS` where the request's trace length says it ends
+    (``stop_at``), else token 0.
+
     Args:
-        cost_model: prices a step.
-        block_size: tokens per KV block (prices swaps and copies).
-        stop_at: request id -> the output length at which that request samples end-of-sequence
-            (the trace's length; requests absent from it never do). Shared with the engine.
+        config: the engine arguments (block size, memory utilization, pool size overrides).
+        spec: model, hardware, tensor-parallel size, dtypes, cost-model parameters.
+        clock: the simulated clock the engine reads.
+
+    Raises:
+        ValueError: the model does not split over the tensor-parallel size.
     """
 
-    def __init__(self, cost_model: CostModel, block_size: int, stop_at: dict[str, int] | None = None) -> None:
-        self.cost = cost_model
-        self.block_size = block_size
-        self.stop_at = {} if stop_at is None else stop_at
+    tokenizer = None
+    load_time_s = 0.0
+    eos_token_id = SIM_EOS
+    device = torch.device("cpu")
 
-    def execute(self, out: SchedulerOutput) -> SimStepResult:
-        """Duration and sampled-token count of one step.
+    def __init__(self, config: EngineConfig, spec: SimSpec, clock: SimClock) -> None:
+        arch, tp = spec.arch, spec.tensor_parallel_size
+        self.config, self.spec, self.clock = config, spec, clock
+        self.cost = CostModel(arch, spec.hardware, tp, spec.dtype, spec.kv_cache_dtype, spec.efficiency)
+        self.block_size = config.block_size
+        self.hf_config = arch
+        self.model_folder = arch.source or arch.name
+        self.model_name = f"{arch.name}'s"
+        self.max_position_embeddings = arch.max_position_embeddings
+        #: request id -> the output length at which that request samples end-of-sequence
+        self.stop_at: dict[str, int] = {}
+        #: the last step's ``(StepCost, sequences scheduled)``
+        self.last_cost: tuple[StepCost, int] | None = None
+
+    def load_model(self, max_model_len: int) -> None:
+        """Nothing to load: the cost model is the model."""
+
+    def memory_budget(self, max_model_len: int, max_num_batched_tokens: int) -> MemoryBudget:
+        """:func:`workbench.memory.plan_memory` on the simulated device: its capacity, the weights
+        per rank, the activation reserve and the NCCL buffers of the group."""
+        config, spec = self.config, self.spec
+        arch, tp = spec.arch, spec.tensor_parallel_size
+        kv_name = spec.dtype if spec.kv_cache_dtype == "auto" else spec.kv_cache_dtype
+        activation = spec.activation_bytes
+        if activation is None:
+            w_dtype = _TORCH_DTYPES[spec.dtype]
+            activation = activation_peak_bytes(arch, max_num_batched_tokens, config.max_num_seqs, w_dtype)
+        mb = plan_memory(
+            hf_config=arch,
+            device=torch.device("cpu"),  # capacity = device_memory: the simulated device's
+            device_memory=spec.hardware.memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            weights_bytes=arch.num_params(tp) * DTYPE_BYTES[spec.dtype],
+            kv_dtype=_TORCH_DTYPES[kv_name],
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            activation_bytes=activation,
+            comm_buffer_bytes=comm_buffer_bytes(tp, spec.nccl_nchannels, config),
+            num_gpu_blocks_override=config.num_gpu_blocks_override,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            tensor_parallel_size=tp,
+        )
+        return replace(
+            mb,
+            source="simulated" if mb.source == "cpu device_memory" else mb.source,
+            device_name=f"{tp} x {spec.hardware.name}" if tp > 1 else spec.hardware.name,
+        )
+
+    def check_fits(self, memory: MemoryBudget, num_cpu_blocks: int) -> None:
+        """The simulated device holds its own budget: nothing is allocated here."""
+
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """No tensors: the KV manager's block tables are the whole cache."""
+
+    def shutdown(self) -> None:
+        """No processes to stop."""
+
+    def execute_step(self, out: SchedulerOutput, kv=None) -> ModelRunnerOutput:
+        """Price the step, advance the clock by its duration, and draw its tokens.
 
         Each scheduled sequence of ``n`` tokens after ``start`` computed ones is a prefill chunk
         ``(start, n)`` when ``n > 1`` and a decode of context ``start + 1`` otherwise.
@@ -191,7 +254,13 @@ class SimulatedExecutor:
             copied_blocks=len(out.block_copies),
             block_bytes=self.cost.kv_bytes_per_token * self.block_size,
         )
-        return SimStepResult(cost.time_s, sampling, cost, sampled)
+        self.clock.advance(cost.time_s)
+        self.last_cost = (cost, len(out.scheduled))
+        comm = None
+        if cost.comm_s > 0:
+            comm = _SimComm(*self.cost.comm_bytes(out.total_tokens, sampling), cost.comm_s)
+        over = cost.overhead_s
+        return ModelRunnerOutput(sampled, cost.time_s - over, 0.0, over, comm)
 
     def shape(self, out: SchedulerOutput) -> StepShape:
         """The step as a :class:`StepShape` (for inspection and tests)."""
@@ -208,7 +277,7 @@ class SimulatedExecutor:
 
 
 class SimEngine(LLMEngine):
-    """An :class:`LLMEngine` whose executor is a cost model and whose clock is simulated.
+    """:class:`LLMEngine` with a :class:`SimulatedExecutor` and a :class:`SimClock`, fed by traces.
 
     Args:
         config: engine arguments (``block_size``, ``gpu_memory_utilization``, ``max_num_seqs``,
@@ -217,7 +286,6 @@ class SimEngine(LLMEngine):
             ``spec`` names model, device and dtype).
         spec: model, hardware, tensor-parallel size, dtypes, cost-model parameters.
         recorder: where StepStats and request records go.
-        max_model_len: default ``min(model's max_position_embeddings, 4096)`` when the config has none.
 
     Raises:
         ValueError: bad engine arguments, a model that does not split over the tensor-parallel
@@ -226,86 +294,33 @@ class SimEngine(LLMEngine):
     """
 
     def __init__(self, config: EngineConfig, spec: SimSpec, recorder: Recorder | None = None) -> None:
-        # LLMEngine.__init__ loads a model; the simulated engine sets the same attributes without one.
-        self.config = config.validate()
-        self.recorder = recorder or Recorder()
         self.spec = spec
-        arch, hw, tp = spec.arch, spec.hardware, spec.tensor_parallel_size
-        self.hf_config = arch
-        self.tokenizer = None
-        self.model_folder = arch.source or arch.name
-        self.load_time_s = 0.0
-        self.startup_time_s = 0.0
-        self.device = torch.device("cpu")
-        self._tp = None  # no worker processes: the tensor-parallel group is simulated
-        model_max = arch.max_position_embeddings or EngineConfig.DEFAULT_MAX_MODEL_LEN
-        self.max_model_len, self.max_num_batched_tokens = resolve_lengths(config, model_max, f"{arch.name}'s")
-
-        self.cost_model = CostModel(arch, hw, tp, spec.dtype, spec.kv_cache_dtype, spec.efficiency)
-        kv_name = spec.dtype if spec.kv_cache_dtype == "auto" else spec.kv_cache_dtype
-        w_dtype = _TORCH_DTYPES[spec.dtype]
-        activation = spec.activation_bytes
-        if activation is None:
-            activation = activation_peak_bytes(arch, self.max_num_batched_tokens, config.max_num_seqs, w_dtype)
-        self.comm_buffer_bytes = comm_buffer_bytes(tp, spec.nccl_nchannels, config)
-        mb = plan_memory(
-            hf_config=arch,
-            device=torch.device("cpu"),  # capacity = device_memory: the simulated device's
-            device_memory=hw.memory_bytes,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            weights_bytes=arch.num_params(tp) * DTYPE_BYTES[spec.dtype],
-            kv_dtype=_TORCH_DTYPES[kv_name],
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-            activation_bytes=activation,
-            comm_buffer_bytes=self.comm_buffer_bytes,
-            num_gpu_blocks_override=config.num_gpu_blocks_override,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            tensor_parallel_size=tp,
-        )
-        self.memory = replace(
-            mb,
-            source="simulated" if mb.source == "cpu device_memory" else mb.source,
-            device_name=f"{tp} x {hw.name}" if tp > 1 else hw.name,
-        )
-        log.info(self.memory.summary_line())
-        if config.block_map_every and self.memory.num_blocks > self.MAX_BLOCK_MAP_BLOCKS:
-            raise ValueError(
-                f"block_map_every={config.block_map_every} records a picture of every block, but the pool has "
-                f"{self.memory.num_blocks:,} blocks (more than {self.MAX_BLOCK_MAP_BLOCKS:,}); set block_map_every=0"
-            )
-        num_cpu_blocks = 0
-        if config.preemption_mode == "swap":
-            num_cpu_blocks = int(config.swap_space * GiB) // self.memory.block_bytes
-            if num_cpu_blocks < 1:
-                raise ValueError(
-                    f"swap_space={config.swap_space} GiB holds no KV block of {self.memory.block_bytes:,} B; "
-                    "raise swap_space or use preemption_mode='recompute'"
-                )
-        self.now = 0.0
-        self._make_kv_and_scheduler(num_cpu_blocks, clock=self._clock)
-        self._stop_at: dict[str, int] = {}  # request id -> output length at which it samples EOS
-        self.executor = SimulatedExecutor(self.cost_model, config.block_size, self._stop_at)
-        self.requests: dict[str, Request] = {}
-        self.groups: dict[str, list[Request]] = {}
-        self._generators: dict = {}
-        self._refused: list[Request] = []
-        self._counter = 0
-        self._step = 0
-        self._holding: dict[str, tuple[Request, int, list]] = {}
-        self.start_time = 0.0
-        self.eos_token_id = SIM_EOS
+        clock = SimClock()
+        super().__init__(config, recorder, executor=SimulatedExecutor(config, spec, clock), clock=clock)
+        self.cost_model = self.executor.cost
+        self.comm_buffer_bytes = self.memory.comm_buffer_bytes
         self._pending: deque[tuple[str, TraceRequest]] = deque()
         self._num_traced = 0
+        self._max_tokens: int | None = None
         #: keep every inter-token gap in the request records (False: ``itl_s`` stays empty)
         self.record_itl = True
-        #: when a list: ``(StepCost, sequences scheduled)`` of every recorded step is appended (calibration)
-        self.step_costs: list | None = None
-        self._comm_fields = "allreduce_bytes" in StepStats.__dataclass_fields__
-        self._max_tokens: int | None = None
+        self._step_costs: list | None = None
 
-    def _clock(self) -> float:
-        return self.now
+    @property
+    def now(self) -> float:
+        """The simulated clock (seconds)."""
+        return self.clock.now
+
+    @property
+    def step_costs(self) -> list | None:
+        """When set to a list, ``(StepCost, sequences scheduled)`` of every recorded step is appended (calibration)."""
+        return self._step_costs
+
+    @step_costs.setter
+    def step_costs(self, costs: list | None) -> None:
+        self._step_costs = costs
+        if costs is not None:
+            self.recorder.add_sink(CallbackSink(lambda _st: costs.append(self.executor.last_cost)))
 
     # ------------------------------------------------------------------ requests
     def add_trace(self, trace: list[TraceRequest], max_tokens: int | None = None) -> None:
@@ -331,7 +346,7 @@ class SimEngine(LLMEngine):
         self._max_tokens = max_tokens
 
     def _admit_arrivals(self) -> None:
-        while self._pending and self._pending[0][1].arrival_s <= self.now:
+        while self._pending and self._pending[0][1].arrival_s <= self.clock.now:
             rid, tr = self._pending.popleft()
             self.add_request_lengths(rid, tr.prompt_len, tr.output_len, tr.eos, tr.arrival_s)
 
@@ -347,7 +362,7 @@ class SimEngine(LLMEngine):
         if eos:
             cap = self._max_tokens or self.max_model_len
             sp = SamplingParams(max_tokens=max(cap, output_len))
-            self._stop_at[request_id] = output_len
+            self.executor.stop_at[request_id] = output_len
         else:
             sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
         ids = [2 + (self._counter % 1_000_000_007)] + [0] * (prompt_len - 1)
@@ -360,47 +375,19 @@ class SimEngine(LLMEngine):
 
     # ------------------------------------------------------------------ step
     def step(self) -> list:
-        """One simulated step: admit arrivals, schedule, price the step, advance the clock, update.
-
-        Returns the requests finished in it (``Request`` objects; no text is decoded).
-        """
+        """Admit the arrivals the clock has reached (jumping ahead to the next one when idle),
+        then one engine step. Returns the requests' outputs finished in it (no text is decoded)."""
         self._admit_arrivals()
         if not super().has_unfinished_requests():
             if not self._pending:
                 return []
-            self.now = max(self.now, self._pending[0][1].arrival_s)  # idle: jump to the next arrival
+            self.clock.jump_to(self._pending[0][1].arrival_s)
             self._admit_arrivals()
         self.scheduler.record_token_times = self.record_itl
-        finished: list[Request] = self._refused
-        self._refused = []
-        t_start = self.now
-        out = self.scheduler.schedule()
-        if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
-            raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting requests")
-        res = self.executor.execute(out)
-        t_end = t_start + res.duration_s
-        self.now = t_end
-        if not out.is_empty:
-            finished += self.scheduler.update(out, res.sampled, t_end)
-        if not self.record_itl:
-            for r in finished:
-                r.token_times = []
-        if not out.is_empty or finished or out.preempted:
-            over = res.cost.overhead_s
-            comm = None
-            if self._comm_fields and res.cost.comm_s > 0:
-                comm = _SimComm(*self.cost_model.comm_bytes(out.total_tokens, res.num_sampled), res.cost.comm_s)
-            if comm is None:
-                self._record_step(out, finished, t_start, t_end, over, res.duration_s - over, 0.0)
-            else:
-                self._record_step(out, finished, t_start, t_end, over, res.duration_s - over, 0.0, comm)
-            if self.step_costs is not None:
-                self.step_costs.append((res.cost, len(out.scheduled)))
-        for r in finished:
-            self.requests.pop(r.request_id, None)
-            self._stop_at.pop(r.request_id, None)
-            self.groups.pop(r.parent_id, None)
-        return finished
+        outputs = super().step()
+        for o in outputs:
+            self.executor.stop_at.pop(o.request_id, None)
+        return outputs
 
     def run(self, progress=None) -> None:
         """Step until every queued and pending request has finished.

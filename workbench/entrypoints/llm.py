@@ -1,0 +1,149 @@
+"""Offline batch inference over :class:`~workbench.engine.LLMEngine`, as vLLM's ``LLM``
+(vllm/entrypoints/llm.py).
+
+from workbench import LLM, SamplingParams
+llm = LLM(block_size=16, max_num_seqs=32)          # the bundled SmolLM2-135M
+out = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from workbench.config import EngineConfig
+from workbench.engine import LLMEngine, Prompt, RequestOutput
+from workbench.metrics import Recorder
+from workbench.sampling import SamplingParams
+
+
+class LLM:
+    """Offline batch inference, as vLLM's ``LLM``.
+
+    Args:
+        model: see :class:`EngineConfig` (default: the bundled SmolLM2-135M-Instruct).
+        **engine_args: any :class:`EngineConfig` field, with vLLM's names.
+
+    Raises:
+        ValueError / FileNotFoundError: a bad engine argument, before the model loads.
+    """
+
+    def __init__(self, model: str | None = None, recorder: Recorder | None = None, **engine_args) -> None:
+        if model is not None:
+            engine_args["model"] = model
+        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s) {sorted(unknown)}; valid ones: "
+                f"{sorted(k for k in EngineConfig.__dataclass_fields__ if k != 'extra')}"
+            )
+        self.llm_engine = LLMEngine(EngineConfig(**engine_args), recorder=recorder)
+
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (see :meth:`LLMEngine.shutdown`)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable = False,
+        priority: Sequence[int] | None = None,
+        expected_output_lens: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, batched by the engine; outputs come in the prompts' order.
+
+        Args:
+            prompts: one prompt or a list (strings, token-id lists, or chat message lists).
+            sampling_params: one for all, or one per prompt.
+            use_tqdm: show a progress bar of finished requests (or a tqdm-like factory).
+            priority: one per prompt (lower = sooner) under ``scheduling_policy="priority"``.
+            expected_output_lens: one true output length (tokens) per prompt, for
+                ``kv_allocator="orca-oracle"`` / ``"orca-pow2"`` (see :meth:`LLMEngine.add_request`).
+
+        Raises:
+            ValueError: an empty prompt or a mismatched number of sampling params; raised before
+                any request is queued, so nothing is lost.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        sps = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(sps) != len(prompts):
+            raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
+        eng = self.llm_engine
+        tokenized = [eng.tokenize(p) for p in prompts]  # validate all before queueing any
+        base = eng._counter
+        ids = [f"gen-{base + i}" for i in range(len(prompts))]
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"{len(prios)} priorities for {len(prompts)} prompts; give one per prompt")
+        if any(prios) and eng.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority is given but scheduling_policy={eng.config.scheduling_policy!r} ignores it; "
+                "create the LLM with scheduling_policy='priority'"
+            )
+        lens = list(expected_output_lens) if expected_output_lens is not None else [None] * len(prompts)
+        if len(lens) != len(prompts):
+            raise ValueError(f"{len(lens)} expected output lengths for {len(prompts)} prompts; give one per prompt")
+        if eng.config.kv_allocator in ("orca-oracle", "orca-pow2") and None in lens:
+            raise ValueError(
+                f"kv_allocator={eng.config.kv_allocator!r} needs each prompt's true output length: pass "
+                "expected_output_lens (e.g. from a kv_allocator='paged' run), or use kv_allocator='orca-max'"
+            )
+        for rid, p, sp, tok, pr, n in zip(ids, prompts, sps, tokenized, prios, lens):
+            eng.add_request(rid, p, sp, tokenized=tok, priority=pr, expected_output_len=n)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            factory = use_tqdm if callable(use_tqdm) else tqdm
+            bar = factory(total=len(prompts), desc="requests", unit="req")
+        results: dict[str, RequestOutput] = {}
+        last_postfix = 0.0
+        while eng.has_unfinished_requests():
+            finished = eng.step()
+            for o in finished:
+                results[o.request_id] = o
+                if bar is not None:
+                    bar.update(1)
+            if bar is not None and eng.recorder.steps:
+                s = eng.recorder.steps[-1]
+                now = time.perf_counter()
+                if now - last_postfix > 0.5:  # live figures while no request has finished yet
+                    bar.set_postfix(
+                        step=s.step,
+                        running=s.num_running,
+                        waiting=s.num_waiting,
+                        kv=f"{s.kv_utilization:.0%}",
+                        refresh=True,
+                    )
+                    last_postfix = now
+        if bar is not None:
+            if eng.recorder.steps:  # the last step's figures, not the last refresh's
+                s = eng.recorder.steps[-1]
+                bar.set_postfix(step=s.step, running=s.num_running, waiting=s.num_waiting, kv=f"{s.kv_utilization:.0%}")
+            bar.close()
+        return [results[i] for i in ids]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one conversation or a list of them (chat template applied)."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm)
+
+
+__all__ = ["LLM"]
