@@ -16,7 +16,7 @@ def test_parse_bytes():
     assert parse_bytes("512MiB") == 512 << 20
     assert parse_bytes("1.5G") == 1_500_000_000
     assert parse_bytes("1000") == 1000
-    with pytest.raises(Exception, match="not a size"):
+    with pytest.raises(Exception, match="not a memory size"):
         parse_bytes("lots")
 
 

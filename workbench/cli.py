@@ -8,228 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 
 import click
 
-from workbench.config import DEFAULT_MODEL, EngineConfig
+from workbench.cli_options import engine_args as _engine_args
+from workbench.cli_options import engine_options, parse_bytes
+from workbench.config import BATCHING_POLICIES, KV_ALLOCATORS
+from workbench.kvcalc_cli import kv_calc_command
+from workbench.sim.cli import simulate_command
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1e3,
-    "kb": 1e3,
-    "m": 1e6,
-    "mb": 1e6,
-    "g": 1e9,
-    "gb": 1e9,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-
-
-def parse_bytes(value: str | int | None) -> int | None:
-    """``"2GiB"``, ``"1.5G"``, ``"512MiB"`` or a plain integer -> bytes.
-
-    Raises:
-        click.BadParameter: not a size.
-    """
-    if value is None or isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise click.BadParameter(f"{value!r} is not a size; write e.g. 2GiB, 512MiB or 2147483648")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def engine_options(f=None, *, exclude: tuple[str, ...] = ()):
-    """Every engine argument as a flag, named as in vLLM (less the ``exclude``d flags)."""
-    if f is None:
-        return lambda g: engine_options(g, exclude=exclude)
-    opts = [
-        click.option(
-            "--model",
-            default=DEFAULT_MODEL,
-            show_default=True,
-            help="HF folder, .safetensors (config.json beside it), .gguf, or the bundled model",
-        ),
-        click.option("--tokenizer", default=None, help="tokenizer folder (default: the model's)"),
-        click.option("--dtype", default="auto", show_default=True, help="auto | float32 | bfloat16 | float16"),
-        click.option("--device", default="cpu", show_default=True, help="cpu | cuda | auto"),
-        click.option(
-            "--seed",
-            default=0,
-            show_default=True,
-            type=int,
-            help="seed of sampling for requests without a seed of their own",
-        ),
-        click.option("--block-size", default=16, show_default=True, type=int, help="tokens per KV block"),
-        click.option(
-            "--gpu-memory-utilization",
-            default=0.9,
-            show_default=True,
-            type=float,
-            help="share of device memory for weights + activations + KV cache, in (0, 1]",
-        ),
-        click.option(
-            "--device-memory",
-            default=None,
-            help="CPU only: the memory gpu_memory_utilization applies to (e.g. 2GiB) [default: 2GiB]",
-        ),
-        click.option(
-            "--max-num-seqs", default=64, show_default=True, type=int, help="most requests in one step (batch)"
-        ),
-        click.option(
-            "--max-num-batched-tokens",
-            default=None,
-            type=int,
-            help="token budget per step (prefill + decode) [default: 2048 with chunked prefill, else max_model_len]",
-        ),
-        click.option(
-            "--max-model-len",
-            default=None,
-            type=int,
-            help="longest sequence, prompt + output, in tokens [default: the model's, capped at 4096]",
-        ),
-        click.option(
-            "--num-gpu-blocks-override",
-            default=None,
-            type=int,
-            help="number of KV blocks, bypassing the memory budget (for experiments)",
-        ),
-        click.option(
-            "--enable-chunked-prefill/--no-enable-chunked-prefill",
-            default=True,
-            show_default=True,
-            help="split long prompts across steps to fit the token budget",
-        ),
-        click.option(
-            "--long-prefill-token-threshold",
-            default=0,
-            show_default=True,
-            type=int,
-            help="most prompt tokens one request takes per step (0 = no cap beyond the budget)",
-        ),
-        click.option(
-            "--enable-prefix-caching/--no-enable-prefix-caching",
-            default=False,
-            show_default=True,
-            help="reuse the KV blocks of identical prompt prefixes",
-        ),
-        click.option(
-            "--scheduling-policy",
-            type=click.Choice(["fcfs", "priority"]),
-            default="fcfs",
-            show_default=True,
-            help="order of admission and of preemption",
-        ),
-        click.option(
-            "--preemption-mode",
-            type=click.Choice(["recompute", "swap"]),
-            default="recompute",
-            show_default=True,
-            help="what happens to a request preempted when KV blocks run out",
-        ),
-        click.option(
-            "--swap-space",
-            default=4.0,
-            show_default=True,
-            type=float,
-            help="CPU swap pool (GiB) for --preemption-mode swap",
-        ),
-        click.option(
-            "--kv-cache-dtype",
-            default="auto",
-            show_default=True,
-            help="auto (= --dtype) | float32 | bfloat16 | float16",
-        ),
-        click.option(
-            "--kv-cache-memory-bytes",
-            default=None,
-            help="size of the KV pool (e.g. 64MiB), bypassing the profiled memory budget",
-        ),
-        click.option(
-            "--kv-allocator",
-            type=click.Choice(["paged", "static", "orca-max", "orca-pow2", "orca-oracle"]),
-            default="paged",
-            show_default=True,
-            help="paged (PagedAttention) or a contiguous baseline reserving each request's maximum length",
-        ),
-        click.option(
-            "--batching-policy",
-            type=click.Choice(["continuous", "static", "grouped"]),
-            default="continuous",
-            show_default=True,
-            help="continuous (iteration-level) or static / length-grouped batches that wait for their longest member",
-        ),
-        click.option(
-            "--block-map-every",
-            default=0,
-            show_default=True,
-            type=int,
-            help="record a per-block picture of the KV pool every N steps (0 = never), for the report's block map",
-        ),
-        click.option(
-            "--attention-backend",
-            type=click.Choice(["auto", "torch", "triton", "triton-interpret"]),
-            default="auto",
-            show_default=True,
-            help="paged attention: auto (Triton on CUDA if installed, else PyTorch), the PyTorch reference, "
-            "compiled Triton kernels (CUDA), or the Triton kernels in Triton's interpreter (slow; teaching)",
-        ),
-        click.option(
-            "--tensor-parallel-size",
-            "-tp",
-            default=1,
-            show_default=True,
-            type=int,
-            help="ranks the model is split across (worker processes; gloo on CPU, NCCL on CUDA)",
-        ),
-        click.option(
-            "--distributed-executor-backend",
-            type=click.Choice(["uni", "mp"]),
-            default=None,
-            help="uni = one process (tensor-parallel-size 1 only); mp = worker processes (default when "
-            "tensor-parallel-size > 1; with 1, a one-rank process group)",
-        ),
-        click.option(
-            "--distributed-timeout-s",
-            default=120.0,
-            show_default=True,
-            type=float,
-            help="seconds a collective waits for the other ranks before the engine fails",
-        ),
-        click.option(
-            "--nccl-buffsize",
-            default=None,
-            help="NCCL_BUFFSIZE for every rank: a size (4MiB, 1048576) [NCCL's default: 4MiB]",
-        ),
-        click.option("--nccl-min-nchannels", default=None, type=int, help="NCCL_MIN_NCHANNELS for every rank"),
-        click.option("--nccl-max-nchannels", default=None, type=int, help="NCCL_MAX_NCHANNELS for every rank"),
-        click.option("--nccl-proto", default=None, help="NCCL_PROTO for every rank, e.g. Simple or ^LL128"),
-    ]
-    for o in reversed(opts):
-
-        def probe():
-            pass
-
-        if o(probe).__click_params__[0].name in exclude:
-            continue
-        f = o(f)
-    return f
-
-
-def _engine_args(kw: dict) -> dict:
-    keys = set(EngineConfig.__dataclass_fields__)
-    args = {k: v for k, v in kw.items() if k in keys}
-    args["device_memory"] = parse_bytes(args.get("device_memory"))
-    args["kv_cache_memory_bytes"] = parse_bytes(args.get("kv_cache_memory_bytes"))
-    if args.get("nccl_buffsize") is not None:
-        args["nccl_buffsize"] = parse_bytes(args["nccl_buffsize"])
-    return args
+__all__ = ["main", "engine_options", "parse_bytes"]  # the engine options are generated from EngineConfig
 
 
 @click.group()
@@ -348,16 +137,16 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
 @click.option(
     "--kv-allocator",
     "allocators",
-    default="paged,static,orca-max,orca-pow2,orca-oracle",
+    default=",".join(KV_ALLOCATORS),
     show_default=True,
-    help="comma-separated: paged, static, orca-max, orca-pow2, orca-oracle",
+    help=f"comma-separated: {', '.join(KV_ALLOCATORS)}",
 )
 @click.option(
     "--batching-policy",
     "policies",
-    default="continuous",
+    default=BATCHING_POLICIES[0],
     show_default=True,
-    help="comma-separated: continuous, static, grouped",
+    help=f"comma-separated: {', '.join(BATCHING_POLICIES)}",
 )
 @click.option("--dataset", type=click.Path(dir_okay=False), default=None, help="ShareGPT JSON or JSONL prompts")
 @click.option("--num-prompts", default=64, show_default=True, type=int, help="use the first N prompts")
@@ -463,13 +252,8 @@ def lab(labs_dir, port, no_browser, jupyter_args):
     sys.exit(subprocess.call(cmd))
 
 
-from workbench.kvcalc import kv_calc_command  # noqa: E402  (`workbench kv-calc`; its options live there)
-
-main.add_command(kv_calc_command)
-
-from workbench.sim.cli import simulate_command  # noqa: E402  (`workbench simulate`; its options live there)
-
-main.add_command(simulate_command)
+main.add_command(kv_calc_command)  # `workbench kv-calc`; its options live in workbench.kvcalc_cli
+main.add_command(simulate_command)  # `workbench simulate`; its options live in workbench.sim.cli
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ On CPU there is no device to query, so the memory that
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -56,99 +56,112 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+#: Allowed values, declared once (the scheduler, ``kv/``, the attention backends, the CLI and the lab
+#: panels import them from here).
+CONTIGUOUS_ALLOCATORS = ("static", "orca-max", "orca-pow2", "orca-oracle")  # see workbench.kv.contiguous
+KV_ALLOCATORS = ("paged", *CONTIGUOUS_ALLOCATORS)
+BATCHING_POLICIES = ("continuous", "static", "grouped")  # see workbench.scheduler
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton-interpret")  # see workbench.attention.backend
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # and the aliases of resolve_dtype
+
+
+def arg(default, help: str, *, choices: tuple | None = None, cli: dict | bool = True, **kw):
+    """One engine argument: its default, ``help`` text and allowed ``choices``, kept in the field's metadata.
+
+    ``cli`` says how the command line shows it (read by :mod:`workbench.cli_options`): ``True`` (an
+    option named after the field; a bool becomes ``--x/--no-x``), ``False`` (no option), or a dict:
+    ``{"type": "bytes"}`` (a size such as ``2GiB``), ``{"aliases": ("-tp",)}``.
+    """
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli}, **kw)
+
+
 @dataclass
 class EngineConfig:
-    """Every engine argument, with vLLM's names and units.
-
-    Attributes:
-        model: ``"smollm2-135m"`` (the bundled model), an HF model folder, a
-            ``.safetensors`` file with ``config.json`` beside it, or a ``.gguf`` file.
-        tokenizer: a tokenizer folder; ``None`` = the model's own.
-        dtype: weights, activations and KV cache dtype (``"auto"`` = float32 on CPU).
-        device: ``"cpu"`` or ``"cuda"`` (``"auto"`` = CUDA when available).
-        seed: seed for sampling of requests that carry no seed of their own.
-        block_size: tokens per KV-cache block (a power of two, as in vLLM).
-        gpu_memory_utilization: share of device memory (0, 1] the engine may use
-            for weights, activations and KV cache.
-        device_memory: on CPU, the memory (bytes) that ``gpu_memory_utilization``
-            applies to; on CUDA, ``None`` (the device's total is queried).
-        max_num_seqs: most requests in one batch (one step).
-        max_num_batched_tokens: token budget of one step (prefill + decode tokens).
-        max_model_len: longest sequence (prompt + output tokens); ``None`` = the
-            model's ``max_position_embeddings`` capped by ``DEFAULT_MAX_MODEL_LEN``.
-        num_gpu_blocks_override: number of KV blocks, bypassing the memory budget.
-        enable_chunked_prefill: split long prompts across steps to fit the token budget.
-        long_prefill_token_threshold: most prompt tokens one request may take in a
-            step when chunked prefill is on (0 = no cap beyond the budget).
-        scheduling_policy: ``"fcfs"`` or ``"priority"`` (lower request priority value first).
-        preemption_mode: ``"recompute"`` or ``"swap"`` (to a CPU pool of ``swap_space`` GiB;
-            falls back to recompute when that pool is full).
-        swap_space: CPU swap pool in GiB (used with ``preemption_mode="swap"``).
-        enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (content-hashed
-            full blocks, LRU eviction of freed cached blocks).
-        kv_cache_dtype: ``"auto"`` = ``dtype``.
-        kv_cache_memory_bytes: size of the KV pool in bytes, bypassing the profiled budget
-            (as vLLM's ``kv_cache_memory_bytes``); ``num_gpu_blocks_override`` wins over it.
-        kv_allocator: ``"paged"`` (PagedAttention) or a contiguous baseline: ``"static"``,
-            ``"orca-max"``, ``"orca-pow2"``, ``"orca-oracle"`` (see :mod:`workbench.kv.contiguous`).
-        batching_policy: ``"continuous"``, ``"static"`` or ``"grouped"`` (see :mod:`workbench.scheduler`).
-        block_map_every: record a per-block picture of the pool every N steps (0 = never), for
-            the block-map figure.
-        attention_backend: ``"auto"`` (Triton on CUDA when installed, else PyTorch), ``"torch"``
-            (the PyTorch reference), ``"triton"`` (compiled Triton kernels, CUDA) or
-            ``"triton-interpret"`` (the same kernels in Triton's interpreter: any device, slow;
-            for teaching and tests). See :mod:`workbench.attention.backend`.
-        tensor_parallel_size: ranks the model is split across (worker processes; gloo on CPU,
-            NCCL on CUDA; see :mod:`workbench.executor.tensor_parallel`). The model's head counts
-            and MLP width must divide by it (checked when the model's config is read).
-        distributed_executor_backend: ``None`` (``"uni"`` for one rank, ``"mp"`` for more), ``"uni"``
-            (this process only) or ``"mp"`` (worker processes; with ``tensor_parallel_size=1`` a
-            one-rank process group, e.g. to measure a single NCCL communicator), as vLLM's option.
-        distributed_timeout_s: seconds every collective of a tensor-parallel group may wait for the
-            other ranks; a worker that hangs longer makes the engine raise.
-        nccl_buffsize, nccl_min_nchannels, nccl_max_nchannels, nccl_proto: the ``NCCL_BUFFSIZE``
-            (bytes), ``NCCL_MIN_NCHANNELS``, ``NCCL_MAX_NCHANNELS`` and ``NCCL_PROTO`` environment
-            variables given to every rank (``None`` = NCCL's default), and the inputs of the modelled
-            communication buffers (:func:`workbench.comm.nccl_buffer_bytes`).
-        cache_dir: where converted weights are cached (default ``~/.cache/workbench``,
-            or ``$WORKBENCH_CACHE``).
+    """Every engine argument, with vLLM's names and units: one field each, whose metadata
+    (:func:`arg`) holds its help text and allowed values. The ``workbench`` command's options, the lab
+    panels' name checks and the run folder's ``config.json`` (:meth:`to_dict`) are generated from it.
 
     Call :meth:`validate` (the engine does) to check every field.
     """
 
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    device_memory: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    num_gpu_blocks_override: int | None = None
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = False
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    swap_space: float = 4.0
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory_bytes: int | None = None
-    kv_allocator: str = "paged"
-    batching_policy: str = "continuous"
-    block_map_every: int = 0
-    attention_backend: str = "auto"
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    distributed_timeout_s: float = 120.0
-    nccl_buffsize: int | None = None
-    nccl_min_nchannels: int | None = None
-    nccl_max_nchannels: int | None = None
-    nccl_proto: str | None = None
-    cache_dir: str | None = None
-    extra: dict = field(default_factory=dict)
+    model: str = arg(DEFAULT_MODEL, "HF folder, .safetensors (config.json beside it), .gguf, or the bundled model")
+    tokenizer: str | None = arg(None, "tokenizer folder (default: the model's)")
+    dtype: str = arg("auto", "auto | float32 | bfloat16 | float16")
+    device: str = arg("cpu", "cpu | cuda | auto")
+    seed: int = arg(0, "seed of sampling for requests without a seed of their own")
+    block_size: int = arg(16, "tokens per KV block")
+    gpu_memory_utilization: float = arg(0.9, "share of device memory for weights + activations + KV cache, in (0, 1]")
+    device_memory: int | None = arg(
+        None,
+        "CPU only: the memory gpu_memory_utilization applies to (e.g. 2GiB) [default: 2GiB]",
+        cli={"type": "bytes"},
+    )
+    max_num_seqs: int = arg(64, "most requests in one step (batch)")
+    max_num_batched_tokens: int | None = arg(
+        None, "token budget per step (prefill + decode) [default: 2048 with chunked prefill, else max_model_len]"
+    )
+    max_model_len: int | None = arg(
+        None, "longest sequence, prompt + output, in tokens [default: the model's, capped at 4096]"
+    )
+    num_gpu_blocks_override: int | None = arg(
+        None, "number of KV blocks, bypassing the memory budget (for experiments)"
+    )
+    enable_chunked_prefill: bool = arg(True, "split long prompts across steps to fit the token budget")
+    long_prefill_token_threshold: int = arg(
+        0, "most prompt tokens one request takes per step (0 = no cap beyond the budget)"
+    )
+    enable_prefix_caching: bool = arg(False, "reuse the KV blocks of identical prompt prefixes")
+    scheduling_policy: str = arg("fcfs", "order of admission and of preemption", choices=SCHEDULING_POLICIES)
+    preemption_mode: str = arg(
+        "recompute", "what happens to a request preempted when KV blocks run out", choices=PREEMPTION_MODES
+    )
+    swap_space: float = arg(4.0, "CPU swap pool (GiB) for --preemption-mode swap")
+    kv_cache_dtype: str = arg("auto", "auto (= --dtype) | float32 | bfloat16 | float16")
+    kv_cache_memory_bytes: int | None = arg(
+        None, "size of the KV pool (e.g. 64MiB), bypassing the profiled memory budget", cli={"type": "bytes"}
+    )
+    kv_allocator: str = arg(
+        "paged",
+        "paged (PagedAttention) or a contiguous baseline reserving each request's maximum length",
+        choices=KV_ALLOCATORS,
+    )
+    batching_policy: str = arg(
+        "continuous",
+        "continuous (iteration-level) or static / length-grouped batches that wait for their longest member",
+        choices=BATCHING_POLICIES,
+    )
+    block_map_every: int = arg(
+        0, "record a per-block picture of the KV pool every N steps (0 = never), for the report's block map"
+    )
+    attention_backend: str = arg(
+        "auto",
+        "paged attention: auto (Triton on CUDA if installed, else PyTorch), the PyTorch reference, "
+        "compiled Triton kernels (CUDA), or the Triton kernels in Triton's interpreter (slow; teaching)",
+        choices=ATTENTION_BACKENDS,
+    )
+    tensor_parallel_size: int = arg(
+        1, "ranks the model is split across (worker processes; gloo on CPU, NCCL on CUDA)", cli={"aliases": ("-tp",)}
+    )
+    distributed_executor_backend: str | None = arg(
+        None,
+        "uni = one process (tensor-parallel-size 1 only); mp = worker processes (default when "
+        "tensor-parallel-size > 1; with 1, a one-rank process group)",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+    )
+    distributed_timeout_s: float = arg(120.0, "seconds a collective waits for the other ranks before the engine fails")
+    nccl_buffsize: int | None = arg(
+        None, "NCCL_BUFFSIZE for every rank: a size (4MiB, 1048576) [NCCL's default: 4MiB]", cli={"type": "bytes"}
+    )
+    nccl_min_nchannels: int | None = arg(None, "NCCL_MIN_NCHANNELS for every rank")
+    nccl_max_nchannels: int | None = arg(None, "NCCL_MAX_NCHANNELS for every rank")
+    nccl_proto: str | None = arg(None, "NCCL_PROTO for every rank, e.g. Simple or ^LL128")
+    cache_dir: str | None = arg(
+        None, "where converted weights are cached [default: $WORKBENCH_CACHE or ~/.cache/workbench]", cli=False
+    )
+    extra: dict = field(default_factory=dict, metadata={"internal": True})
 
     #: Default ``device_memory`` on CPU (bytes): 2 GiB, enough for the bundled
     #: model's weights in float32 (0.54 GB) and a KV pool of tens of thousands of tokens.
@@ -203,10 +216,11 @@ class EngineConfig:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an "
                 "integer >= 0 (0 = no cap)"
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' or 'priority'")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
+        for f in fields(self):  # the declared choices (scheduling, preemption, allocator, batching, backends)
+            v, ok = getattr(self, f.name), f.metadata.get("choices")
+            if ok and v not in ok and not (v is None and f.default is None):
+                none = " or None" if f.default is None else ""
+                raise ValueError(f"{f.name}={v!r} must be one of {', '.join(map(repr, ok))}{none}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space={self.swap_space!r} must be >= 0 (GiB of CPU memory for swapped blocks)")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
@@ -222,11 +236,6 @@ class EngineConfig:
                 f"kv_cache_memory_bytes={kvb} and num_gpu_blocks_override={ngb} both set the KV pool's size; "
                 "give only one of them"
             )
-        from workbench.kv.contiguous import KV_ALLOCATORS
-        from workbench.scheduler import BATCHING_POLICIES
-
-        if self.kv_allocator not in KV_ALLOCATORS:
-            raise ValueError(f"kv_allocator={self.kv_allocator!r} must be one of {', '.join(KV_ALLOCATORS)}")
         if self.kv_allocator != "paged":
             clash = [
                 name
@@ -241,10 +250,6 @@ class EngineConfig:
                     f"kv_allocator={self.kv_allocator!r} reserves one contiguous region per request and cannot "
                     f"share or move blocks, so {' and '.join(clash)} needs kv_allocator='paged'"
                 )
-        if self.batching_policy not in BATCHING_POLICIES:
-            raise ValueError(
-                f"batching_policy={self.batching_policy!r} must be one of {', '.join(BATCHING_POLICIES)}"
-            )
         if not isinstance(self.block_map_every, int) or self.block_map_every < 0:
             raise ValueError(f"block_map_every={self.block_map_every!r} must be an integer >= 0 (steps; 0 = never)")
         self._validate_parallel()
@@ -254,8 +259,8 @@ class EngineConfig:
                 resolve_dtype(self.kv_cache_dtype)
             except ValueError:
                 raise ValueError(
-                    f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use 'auto' (= dtype), "
-                    "'float32', 'bfloat16' or 'float16'"
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
+                    f"{', '.join(map(repr, KV_CACHE_DTYPES))} ('auto' = dtype)"
                 ) from None
         if self.device not in ("cpu", "cuda", "auto") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device={self.device!r} must be 'cpu', 'cuda', 'cuda:N' or 'auto'")
@@ -279,8 +284,6 @@ class EngineConfig:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size={tp!r} must be an integer >= 1 (ranks); use e.g. 1, 2 or 4")
         deb = self.distributed_executor_backend
-        if deb not in (None, "uni", "mp"):
-            raise ValueError(f"distributed_executor_backend={deb!r} must be None, 'uni' or 'mp'")
         if deb == "uni" and tp > 1:
             raise ValueError(
                 f"distributed_executor_backend='uni' runs one process but tensor_parallel_size={tp}; "
@@ -330,6 +333,10 @@ class EngineConfig:
         return Path(base).expanduser()
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("extra", None)
-        return d
+        """Every engine argument (:func:`engine_arg_names`) and its value: the run folder's ``config.json``."""
+        return {k: v for k, v in asdict(self).items() if k in engine_arg_names()}
+
+
+def engine_arg_names() -> tuple[str, ...]:
+    """The names of the engine arguments: :class:`EngineConfig`'s fields less the internal ones (``extra``)."""
+    return tuple(f.name for f in fields(EngineConfig) if not f.metadata.get("internal"))

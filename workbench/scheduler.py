@@ -36,7 +36,7 @@ from workbench.kv.interface import KVManager
 from workbench.request import Request, RequestStatus
 
 #: values of ``batching_policy``
-BATCHING_POLICIES = ("continuous", "static", "grouped")
+from workbench.config import BATCHING_POLICIES  # isort: skip  (declared in workbench.config)
 
 
 @dataclass(slots=True, init=False)

@@ -30,7 +30,7 @@ import torch
 import kernels
 from workbench.attention import torch_ref
 
-BACKEND_NAMES = ("auto", "torch", "triton", "triton-interpret")
+from workbench.config import ATTENTION_BACKENDS as BACKEND_NAMES  # isort: skip  (declared in workbench.config)
 
 
 class TorchBackend:

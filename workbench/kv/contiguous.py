@@ -40,8 +40,7 @@ from workbench.kv.interface import KVManager
 from workbench.kv.manager import cdiv
 
 #: allocator names accepted by ``EngineConfig.kv_allocator``
-CONTIGUOUS_ALLOCATORS = ("static", "orca-max", "orca-pow2", "orca-oracle")
-KV_ALLOCATORS = ("paged", *CONTIGUOUS_ALLOCATORS)
+from workbench.config import CONTIGUOUS_ALLOCATORS, KV_ALLOCATORS  # noqa: F401  # isort: skip  (declared in config)
 
 
 def next_pow2(n: int) -> int:

@@ -29,8 +29,7 @@ __all__ = ["RunPanel", "CONTROLS"]
 
 def _control(name: str, value: Any, widgets) -> Any:
     """The widget of one engine argument (or trace parameter); its ``description`` is the argument's name."""
-    from workbench.kv.contiguous import KV_ALLOCATORS
-    from workbench.scheduler import BATCHING_POLICIES
+    from workbench.config import BATCHING_POLICIES, KV_ALLOCATORS, PREEMPTION_MODES
 
     style = {"description_width": "initial"}
     d = dict(description=name, style=style)
@@ -39,7 +38,7 @@ def _control(name: str, value: Any, widgets) -> Any:
     if name == "batching_policy":
         return widgets.Dropdown(options=list(BATCHING_POLICIES), value=value, **d)
     if name == "preemption_mode":
-        return widgets.Dropdown(options=["recompute", "swap"], value=value, **d)
+        return widgets.Dropdown(options=list(PREEMPTION_MODES), value=value, **d)
     if name == "block_size":
         return widgets.Dropdown(options=[8, 16, 32, 64], value=value, **d)
     if name in ("enable_prefix_caching", "enable_chunked_prefill"):

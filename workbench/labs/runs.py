@@ -51,9 +51,9 @@ def check_engine_arg_names(names: Iterable[str], also: Sequence[str] = ()) -> No
     """
     import difflib
 
-    from workbench.config import EngineConfig
+    from workbench.config import engine_arg_names
 
-    fields = [k for k in EngineConfig.__dataclass_fields__ if k != "extra"]
+    fields = engine_arg_names()  # EngineConfig's fields, less the internal ones
     for name in names:
         if name not in fields and name not in also:
             near = difflib.get_close_matches(name, [*fields, *also], n=1)

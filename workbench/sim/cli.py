@@ -6,11 +6,12 @@ import json
 
 import click
 
-from workbench.cli import _engine_args, engine_options
+from workbench.cli_options import engine_args, engine_options
+from workbench.units import parse_size
 
 
 def _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels, calibration):
-    from workbench.kvcalc import load_arch, parse_size
+    from workbench.kvcalc import load_arch
     from workbench.sim.calibrate import load_calibration
     from workbench.sim.engine import SimSpec
     from workbench.sim.hardware import find_hardware
@@ -155,7 +156,7 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
     from workbench.sim.run import simulate_job
     from workbench.sim.trace import make_trace
 
-    args = _engine_args(kw)
+    args = engine_args(kw)
     seed = args.pop("seed", 0)
     args.pop("device_memory", None)
     if nccl_nchannels is not None and (

@@ -1,0 +1,108 @@
+"""Click options generated from :class:`~workbench.config.EngineConfig`'s fields (CLI layer).
+
+Each field's metadata (:func:`workbench.config.arg`) gives the option: ``--block-size`` from
+``block_size``, its default, help and choices; a bool becomes ``--x/--no-x``; ``cli={"type": "bytes"}``
+takes a size (``2GiB``) converted here; ``cli={"aliases": ("-tp",)}`` adds short names; ``cli=False``
+leaves the field off the command line. ``workbench run``, ``compare`` and ``simulate`` use
+:func:`engine_options`; a new engine argument is one field in ``config.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import click
+
+from workbench.config import EngineConfig
+from workbench.units import parse_size
+
+__all__ = ["parse_bytes", "dataclass_options", "engine_options", "engine_args", "bytes_fields"]
+
+
+def parse_bytes(value: str | int | None) -> int | None:
+    """``"2GiB"``, ``"1.5G"``, ``"512MiB"`` or a plain integer -> bytes (:func:`workbench.units.parse_size`);
+    ``None`` stays ``None``.
+
+    Raises:
+        click.BadParameter: not a size (naming the value and the accepted forms).
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    try:
+        return parse_size(value, allow_zero=True)  # zero and range are EngineConfig.validate's to refuse
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _bytes_callback(ctx: click.Context, param: click.Parameter, value):
+    return parse_bytes(value)
+
+
+def _kind(annotation) -> str:
+    """``"int"``, ``"float"``, ``"bool"``, ``"str"``... of a field's annotation (``"int | None"`` -> ``"int"``)."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    kinds = [t.strip() for t in text.replace("Optional[", "").rstrip("]").split("|") if t.strip() != "None"]
+    return kinds[0] if kinds else "str"
+
+
+def _cli(f: dataclasses.Field) -> dict | None:
+    """The field's ``cli`` metadata as a dict, or ``None`` when the field has no option."""
+    cli = f.metadata.get("cli", True)
+    if f.metadata.get("internal") or cli is False:
+        return None
+    return {} if cli is True else dict(cli)
+
+
+def _option(f: dataclasses.Field, cli: dict):
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default if f.default is not dataclasses.MISSING else None
+    kind = _kind(f.type)
+    kw = {"default": default, "help": f.metadata.get("help")}
+    if default is not None:
+        kw["show_default"] = True
+    choices = f.metadata.get("choices")
+    if kind == "bool":
+        decls = [f"{flag}/--no-{flag[2:]}"]
+    else:
+        decls = [flag, *cli.get("aliases", ())]
+        if choices:
+            kw["type"] = click.Choice(list(choices))
+        elif cli.get("type") == "bytes":
+            kw["callback"] = _bytes_callback  # the value stays text for click (its help shows TEXT)
+        elif kind in ("int", "float"):
+            kw["type"] = int if kind == "int" else float
+    return click.option(*decls, f.name, **kw)
+
+
+def dataclass_options(cls, exclude: Iterable[str] = ()) -> list:
+    """The click options (decorators, in field order) of dataclass ``cls``'s fields, less ``exclude``."""
+    exclude = set(exclude)
+    return [_option(f, cli) for f in dataclasses.fields(cls) if f.name not in exclude and (cli := _cli(f)) is not None]
+
+
+def engine_options(f=None, *, exclude: tuple[str, ...] = (), config_cls=EngineConfig):
+    """Every engine argument as a flag, named as in vLLM (less the ``exclude``d ones).
+
+    Use as ``@engine_options`` or ``@engine_options(exclude=("kv_allocator",))``.
+    """
+    if f is None:
+        return lambda g: engine_options(g, exclude=exclude, config_cls=config_cls)
+    for o in reversed(dataclass_options(config_cls, exclude)):
+        f = o(f)
+    return f
+
+
+def bytes_fields(cls=EngineConfig) -> tuple[str, ...]:
+    """Names of the fields given as sizes on the command line (``cli={"type": "bytes"}``)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if (_cli(f) or {}).get("type") == "bytes")
+
+
+def engine_args(kw: dict, cls=EngineConfig) -> dict:
+    """The engine arguments among a command's keyword arguments, sizes converted to bytes."""
+    keys = {f.name for f in dataclasses.fields(cls)}
+    args = {k: v for k, v in kw.items() if k in keys}
+    for name in bytes_fields(cls):
+        if name in args:
+            args[name] = parse_bytes(args[name])
+    return args
