@@ -162,7 +162,7 @@ def spread_prompts(tok, n: int, lo: int, hi: int, seed: int) -> list[dict]:
 def batching(repeats, max_tokens, max_num_seqs, out):
     """Continuous vs static vs grouped batching on 16 prompts of 128..2,048 tokens."""
     from workbench.bench.run import run_job
-    from workbench.engine import LLM
+    from workbench.entrypoints.llm import LLM
 
     with tempfile.TemporaryDirectory() as d:
         policies = ["continuous", "static", "grouped"]

@@ -7,7 +7,7 @@ The engine (bundled SmolLM2-135M-Instruct, float32, CPU) generates greedily for 
 1. warm-up on a few prompts;
 2. a **timed run**: ``StepStats`` (schedule / model / sample / wall time of every step) plus
    ``time.perf_counter`` wrappers, installed by this script only, around
-   ``workbench.engine.prepare_inputs``, the executor's ``execute_model``,
+   ``workbench.executor.local.prepare_inputs``, the executor's ``execute_model``,
    the attention backend's ``paged_attention`` / ``write_kv`` and ``LLMEngine._record_step``;
 3. the same run under **cProfile** (Python-level view; profiling slows Python-heavy code, so its
    seconds are larger than the timed run's);
@@ -85,14 +85,14 @@ class Timers:
 
 def instrument(llm, timers: Timers) -> None:
     """Install the timing / labelling wrappers (module attributes and the engine object only)."""
-    import workbench.engine as engine_mod
+    import workbench.executor.local as executor_mod
 
     eng = llm.llm_engine
     # the model calls its attention backend (the PyTorch reference here); wrap that object's two methods
     attn = eng.executor.attn_backend
     attn.paged_attention = timers.wrap("attention", attn.paged_attention, LABEL_ATTN)
     attn.write_kv = timers.wrap("kv_write", attn.write_kv, LABEL_KV_WRITE)
-    engine_mod.prepare_inputs = timers.wrap("prepare_inputs", engine_mod.prepare_inputs, "wb::prepare_inputs")
+    executor_mod.prepare_inputs = timers.wrap("prepare_inputs", executor_mod.prepare_inputs, "wb::prepare_inputs")
     eng.executor.execute_model = timers.wrap("forward", eng.executor.execute_model, LABEL_FORWARD)
     eng._record_step = timers.wrap("record_step", eng._record_step, "wb::record_step")
     eng._output = timers.wrap("output", eng._output, "wb::output")
@@ -253,7 +253,7 @@ def cprofile_run(llm, prompts, max_tokens: int, top: int, prof_path: Path | None
         prof.dump_stats(str(prof_path))
     stats = pstats.Stats(prof, stream=io.StringIO())
     phases = {
-        "LLM.generate": ("workbench/engine.py", "generate"),
+        "LLM.generate": ("workbench/entrypoints/llm.py", "generate"),
         "LLMEngine.step": ("workbench/engine.py", "step"),
         "Scheduler.schedule": ("workbench/scheduler.py", "schedule"),
         "prepare_inputs": ("workbench/executor/local.py", "prepare_inputs"),
@@ -263,7 +263,7 @@ def cprofile_run(llm, prompts, max_tokens: int, top: int, prof_path: Path | None
         "sample": ("workbench/sampling.py", "sample"),
         "Scheduler.update": ("workbench/scheduler.py", "update"),
         "LLMEngine._record_step": ("workbench/engine.py", "_record_step"),
-        "KVCacheManager.usage": ("workbench/kv/manager.py", "usage"),
+        "PoolAccounting.observe": ("workbench/metrics/accounting.py", "observe"),
         "LLMEngine._output": ("workbench/engine.py", "_output"),
         "LLMEngine.add_request": ("workbench/engine.py", "add_request"),
     }

@@ -4,8 +4,9 @@ from workbench import LLM, SamplingParams
 """
 
 from workbench.config import EngineConfig
-from workbench.engine import CompletionOutput, LLMEngine, RequestOutput
+from workbench.engine import LLMEngine
 from workbench.entrypoints.llm import LLM
+from workbench.outputs import CompletionOutput, RequestOutput
 from workbench.sampling import SamplingParams
 
 __version__ = "0.1.0"

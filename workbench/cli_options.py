@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import click
 
-from workbench.config import EngineConfig
+from workbench.config import EngineConfig, is_plugin_name
 from workbench.units import parse_size
 
 __all__ = ["parse_bytes", "dataclass_options", "engine_options", "engine_args", "bytes_fields"]
@@ -54,6 +54,18 @@ def _cli(f: dataclasses.Field) -> dict | None:
     return {} if cli is True else dict(cli)
 
 
+class _ChoiceOrPlugin(click.Choice):
+    """One of the choices, or a plug-in ``package.module:ClassName``."""
+
+    def convert(self, value, param, ctx):
+        if is_plugin_name(value):
+            return value
+        return super().convert(value, param, ctx)
+
+    def get_metavar(self, param, *args) -> str:
+        return "[" + "|".join(self.choices) + "|MODULE:CLASS]"
+
+
 def _option(f: dataclasses.Field, cli: dict):
     flag = "--" + f.name.replace("_", "-")
     default = f.default if f.default is not dataclasses.MISSING else None
@@ -66,7 +78,9 @@ def _option(f: dataclasses.Field, cli: dict):
         decls = [f"{flag}/--no-{flag[2:]}"]
     else:
         decls = [flag, *cli.get("aliases", ())]
-        if choices:
+        if choices and cli.get("plugins"):
+            kw["type"] = _ChoiceOrPlugin(list(choices))
+        elif choices:
             kw["type"] = click.Choice(list(choices))
         elif cli.get("type") == "bytes":
             kw["callback"] = _bytes_callback  # the value stays text for click (its help shows TEXT)

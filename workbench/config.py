@@ -68,6 +68,11 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # and the aliases of resolve_dtype
 
 
+def is_plugin_name(value) -> bool:
+    """``"package.module:ClassName"``: a plug-in named by where its class lives."""
+    return isinstance(value, str) and value.count(":") == 1 and all(p.strip() for p in value.split(":"))
+
+
 def arg(default, help: str, *, choices: tuple | None = None, cli: dict | bool = True, **kw):
     """One engine argument: its default, ``help`` text and allowed ``choices``, kept in the field's metadata.
 
@@ -125,8 +130,10 @@ class EngineConfig:
     )
     kv_allocator: str = arg(
         "paged",
-        "paged (PagedAttention) or a contiguous baseline reserving each request's maximum length",
+        "paged (PagedAttention), a contiguous baseline reserving each request's maximum length, or a plug-in "
+        "'package.module:ClassName' (a workbench.kv.interface.KVManager)",
         choices=KV_ALLOCATORS,
+        cli={"plugins": True},
     )
     batching_policy: str = arg(
         "continuous",
@@ -218,7 +225,9 @@ class EngineConfig:
             )
         for f in fields(self):  # the declared choices (scheduling, preemption, allocator, batching, backends)
             v, ok = getattr(self, f.name), f.metadata.get("choices")
-            if ok and v not in ok and not (v is None and f.default is None):
+            cli = f.metadata["cli"]
+            plugin = isinstance(cli, dict) and cli.get("plugins") and is_plugin_name(v)
+            if ok and v not in ok and not (v is None and f.default is None) and not plugin:
                 none = " or None" if f.default is None else ""
                 raise ValueError(f"{f.name}={v!r} must be one of {', '.join(map(repr, ok))}{none}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
@@ -247,8 +256,8 @@ class EngineConfig:
             ]
             if clash:
                 raise ValueError(
-                    f"kv_allocator={self.kv_allocator!r} reserves one contiguous region per request and cannot "
-                    f"share or move blocks, so {' and '.join(clash)} needs kv_allocator='paged'"
+                    f"{' and '.join(clash)} needs kv_allocator='paged' (the paged manager shares and moves blocks; "
+                    f"kv_allocator={self.kv_allocator!r} does neither)"
                 )
         if not isinstance(self.block_map_every, int) or self.block_map_every < 0:
             raise ValueError(f"block_map_every={self.block_map_every!r} must be an integer >= 0 (steps; 0 = never)")

@@ -15,17 +15,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from workbench.config import EngineConfig, GiB
 from workbench.executor.local import LocalExecutor
-from workbench.kv import make_kv_manager
-from workbench.kv.contiguous import reservation_tokens
+from workbench.kv import make_kv_manager, plugin_class
 from workbench.memory import MemoryBudget
-from workbench.metrics import Recorder, StepStats, request_record
+from workbench.metrics import Recorder, request_record
 from workbench.metrics.accounting import PoolAccounting, block_map
+from workbench.metrics.stats import step_stats
+from workbench.outputs import CompletionOutput, RequestOutput
 from workbench.request import Request, RequestStatus
 from workbench.sampling import SamplingParams
 from workbench.scheduler import Scheduler, SchedulerOutput
@@ -35,33 +36,6 @@ log = logging.getLogger("workbench")
 #: A prompt: text (no template), token ids, or chat messages ``[{"role", "content"}]``
 #: (the model's chat template is applied).
 Prompt = str | list[int] | list[dict]
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence: ``text`` (decoded when the request finishes) and ``token_ids``."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-
-
-@dataclass
-class RequestOutput:
-    """A request's result, as vLLM's ``RequestOutput``.
-
-    ``error`` is set (and ``outputs[0].finish_reason == "error"``) when the engine refused
-    the request, e.g. a prompt longer than ``max_model_len``.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    error: str | None = None
-    metrics: dict = field(default_factory=dict)
 
 
 def resolve_lengths(config: EngineConfig, model_max: int, whose: str) -> tuple[int, int]:
@@ -128,6 +102,8 @@ class LLMEngine:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config.validate()
+        if ":" in config.kv_allocator:
+            plugin_class(config.kv_allocator)  # a plug-in allocator that does not load fails before the model
         self.recorder = recorder or Recorder()
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
@@ -253,21 +229,19 @@ class LLMEngine:
                 "create the engine with scheduling_policy='priority'"
             )
         ids, text = tokenized if tokenized is not None else self.tokenize(prompt)
-        allocator = self.config.kv_allocator
-        if allocator != "paged":
-            if sp.n > 1:
-                raise ValueError(
-                    f"n={sp.n} (parallel sampling) shares prompt blocks, which kv_allocator={allocator!r} cannot; "
-                    "use n=1 or kv_allocator='paged'"
-                )
-            reserve = reservation_tokens(allocator, len(ids), sp.max_tokens, self.max_model_len, expected_output_len)
-            if allocator in ("orca-oracle", "orca-pow2"):
-                sp = replace(sp, max_tokens=max(1, min(sp.max_tokens, expected_output_len)))
+        if sp.n > 1 and not self.kv.supports_fork:
+            raise ValueError(
+                f"n={sp.n} (parallel sampling) shares prompt blocks, which kv_allocator={self.kv.name!r} cannot; "
+                "use n=1 or kv_allocator='paged'"
+            )
         if request_id is None:
             request_id = str(self._counter)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in the engine; use a unique id")
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        cap = self.kv.declare(request_id, len(ids), sp.max_tokens, self.max_model_len, expected_output_len)
+        if cap is not None:  # the reservation holds no more output than this
+            sp = replace(sp, max_tokens=cap)
+        arrival = self.clock() if arrival_time is None else arrival_time
         seed = sp.seed if sp.seed is not None else self.config.seed * 1_000_003 + self._counter
         self._counter += 1
         group = []
@@ -310,8 +284,6 @@ class LLMEngine:
                 child.finish_time = child.arrival_time
                 self._refused.append(child)
         else:
-            if allocator != "paged":
-                self.kv.declare(req.request_id, reserve)
             self.scheduler.add_request(req, group[1:])
         return request_id
 
@@ -383,45 +355,9 @@ class LLMEngine:
         need = kv.reservation_blocks(waiting[0].request_id) if waiting else 0
         cell: list = [None]  # this step's StepStats, once built: the accounting's entries refer to it
         usage, computed = self.accounting.observe(self.requests, cell, need, want_map)
-        n_prefill = out.num_prefill_reqs
-        st = cell[0] = StepStats(
-            step=self._step,
-            time_s=t_start - self.start_time,
-            wall_time_s=t_end - t_start,
-            schedule_time_s=sched_s,
-            model_time_s=result.model_time_s,
-            sample_time_s=result.sample_time_s,
-            num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens,
-            num_prefill_reqs=n_prefill,
-            num_decode_reqs=len(out.scheduled) - n_prefill,
-            num_running=len(scheduler.running),
-            num_waiting=len(waiting),
-            num_preemptions=len(out.preempted),
-            num_preempted_recompute=out.num_preempted_recompute,
-            num_preempted_swap=out.num_preempted_swap,
-            num_swapped=len(scheduler.swapped),
-            swap_out_blocks=len(out.swap_out),
-            swap_in_blocks=len(out.swap_in),
-            cow_block_copies=len(out.block_copies),
-            num_finished=len(finished),
-            num_blocks=kv.num_blocks,
-            blocks_used=kv.num_blocks - kv.num_free_blocks,
-            blocks_free=kv.num_free_blocks,
-            block_size=kv.block_size,
-            kv_bytes_per_token=self.memory.kv_bytes_per_token,
-            token_states=usage.token_states,
-            reservation=usage.reservation,
-            internal_fragmentation=usage.internal_fragmentation,
-            external_fragmentation=usage.external_fragmentation,
-            free=usage.free,
-            kv_utilization=usage.kv_utilization,
-            fragmentation_rate=usage.fragmentation_rate,
-            num_cached_free_blocks=len(kv.cached_free_blocks()) if kv.enable_prefix_caching else 0,
-            prefix_cache_queries=out.prefix_cache_queries,
-            prefix_cache_hits=out.prefix_cache_hits,
-            **(result.comm.to_dict() if result.comm is not None else {}),
-        )
+        times = (t_start - self.start_time, t_end - t_start, sched_s, result.model_time_s, result.sample_time_s)
+        kv_bpt = self.memory.kv_bytes_per_token
+        st = cell[0] = step_stats(self._step, times, out, scheduler, kv, kv_bpt, usage, len(finished), result.comm)
         self._step += 1
         self.accounting.settle_released()
         if want_map:

@@ -450,3 +450,44 @@ def check_fits(memory: MemoryBudget, device: torch.device, num_cpu_blocks: int =
                 f"free memory ({free / gib:,.2f} GiB); lower gpu_memory_utilization, num_gpu_blocks_override "
                 "or kv_cache_memory_bytes"
             )
+
+
+def engine_budget(
+    config,
+    hf_config,
+    weights_bytes: int,
+    comm_buffer_bytes: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    profile,
+) -> MemoryBudget:
+    """The memory budget of an engine over a real model (:func:`plan_memory` with its arguments).
+
+    vLLM's profile run: unless ``num_gpu_blocks_override`` or ``kv_cache_memory_bytes`` size the pool,
+    ``profile(num_tokens, max_model_len, max_num_seqs, block_size)`` measures the activation peak of
+    one forward at the step's token budget. On CPU the capacity is ``device_memory`` (default
+    ``EngineConfig.DEFAULT_CPU_DEVICE_MEMORY``).
+    """
+    c = config
+    device = c.torch_device
+    device_memory = c.device_memory
+    if device_memory is None and device.type == "cpu":
+        device_memory = c.DEFAULT_CPU_DEVICE_MEMORY
+    activation = 0
+    if c.num_gpu_blocks_override is None and c.kv_cache_memory_bytes is None:
+        activation = profile(max_num_batched_tokens, max_model_len, c.max_num_seqs, c.block_size)
+    return plan_memory(
+        hf_config=hf_config,
+        device=device,
+        device_memory=device_memory,
+        gpu_memory_utilization=c.gpu_memory_utilization,
+        weights_bytes=weights_bytes,
+        kv_dtype=c.kv_torch_dtype,
+        block_size=c.block_size,
+        max_model_len=max_model_len,
+        activation_bytes=activation,
+        num_gpu_blocks_override=c.num_gpu_blocks_override,
+        kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+        tensor_parallel_size=c.tensor_parallel_size,
+        comm_buffer_bytes=comm_buffer_bytes,
+    )

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from workbench.bench.datasets import PromptRecord, default_prompts, load_prompts
 from workbench.config import EngineConfig
-from workbench.engine import LLM, RequestOutput
+from workbench.entrypoints.llm import LLM
 from workbench.metrics import JsonlSink, Recorder
 from workbench.metrics.waste import flatten_breakdown, waste_breakdown
+from workbench.outputs import RequestOutput
 from workbench.sampling import SamplingParams
 
 log = logging.getLogger("workbench")

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from workbench.config import EngineConfig
-from workbench.engine import LLMEngine, Prompt, RequestOutput
+from workbench.engine import LLMEngine, Prompt
 from workbench.metrics import Recorder
+from workbench.outputs import RequestOutput
 from workbench.sampling import SamplingParams
 
 

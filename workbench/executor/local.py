@@ -18,7 +18,7 @@ from workbench.attention import AttentionMetadata, DecodeGroup, get_backend
 from workbench.config import EngineConfig
 from workbench.kv.interface import KVManager
 from workbench.kv.manager import cdiv
-from workbench.memory import MemoryBudget, check_fits, plan_memory, profile_activation_peak
+from workbench.memory import MemoryBudget, check_fits, engine_budget, profile_activation_peak
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.loader import load_model
 from workbench.sampling import sample
@@ -226,31 +226,16 @@ class ModelExecutor:
         self.load_time_s = time.perf_counter() - t0
 
     def memory_budget(self, max_model_len: int, max_num_batched_tokens: int) -> MemoryBudget:
-        """The KV budget (:func:`workbench.memory.plan_memory`) after vLLM's profile run: the peak of
-        one forward at the step's token budget, unless the pool's size is given."""
-        c = self.config
-        device_memory = c.device_memory
-        if device_memory is None and self.device.type == "cpu":
-            device_memory = EngineConfig.DEFAULT_CPU_DEVICE_MEMORY
-        activation = 0
-        if c.num_gpu_blocks_override is None and c.kv_cache_memory_bytes is None:
-            activation = self.profile_activation_peak(
-                max_num_batched_tokens, max_model_len, c.max_num_seqs, c.block_size
-            )
-        return plan_memory(
-            hf_config=self.hf_config,
-            device=self.device,
-            device_memory=device_memory,
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            weights_bytes=self.model.weight_bytes(),
-            kv_dtype=c.kv_torch_dtype,
-            block_size=c.block_size,
-            max_model_len=max_model_len,
-            activation_bytes=activation,
-            num_gpu_blocks_override=c.num_gpu_blocks_override,
-            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-            tensor_parallel_size=c.tensor_parallel_size,
-            comm_buffer_bytes=self.comm_buffer_bytes,
+        """The KV budget after vLLM's profile run (:func:`workbench.memory.engine_budget`)."""
+        weights = self.model.weight_bytes()
+        return engine_budget(
+            self.config,
+            self.hf_config,
+            weights,
+            self.comm_buffer_bytes,
+            max_model_len,
+            max_num_batched_tokens,
+            self.profile_activation_peak,
         )
 
     def check_fits(self, memory: MemoryBudget, num_cpu_blocks: int) -> None:

@@ -117,9 +117,25 @@ class ContiguousKVCacheManager(KVManager):
         self._used_blocks = 0
 
     # ------------------------------------------------------------ reservation
-    def declare(self, request_id: str, reserve_tokens: int) -> None:
-        """Set how many tokens the request reserves when it is admitted (capped by the pool)."""
-        self._reserve[request_id] = max(1, min(reserve_tokens, self.pool_tokens))
+    def declare(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        max_model_len: int,
+        expected_output_len: int | None = None,
+    ) -> int | None:
+        """Size the request's reservation (:func:`reservation_tokens`, capped by the pool); ``orca-pow2``
+        and ``orca-oracle`` return the true output length as the output cap.
+
+        Raises:
+            ValueError: ``orca-pow2`` / ``orca-oracle`` without ``expected_output_len``.
+        """
+        reserve = reservation_tokens(self.allocator, num_prompt_tokens, max_tokens, max_model_len, expected_output_len)
+        self._reserve[request_id] = max(1, min(reserve, self.pool_tokens))
+        if self.allocator in ("orca-oracle", "orca-pow2"):
+            return max(1, min(max_tokens, expected_output_len))
+        return None
 
     def reservation_blocks(self, request_id: str) -> int:
         """Blocks the request reserves at admission (0 if it was never declared)."""

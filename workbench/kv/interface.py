@@ -9,8 +9,9 @@ maps, KV utilization) are computed from what this interface exposes by
 
 The paged manager (:class:`workbench.kv.manager.KVCacheManager`, PagedAttention: Kwon et al.,
 SOSP 2023, §4) and the contiguous baselines (:class:`workbench.kv.contiguous.ContiguousKVCacheManager`)
-implement it, and so can a plug-in: subclass :class:`KVManager`, implement the abstract methods,
-and override the optional capabilities (prefix caching, swapping, forking) it has. vLLM v1 draws
+implement it, and so can a plug-in (``kv_allocator="package.module:ClassName"``, constructed as
+``ClassName(num_blocks, block_size)``): subclass :class:`KVManager`, implement the abstract
+methods, and override the optional capabilities (reservation ahead, forking) it has. vLLM v1 draws
 the same line between its scheduler and ``KVCacheManager`` (vllm/v1/core/kv_cache_manager.py).
 
 Units: token counts and slot counts are tokens; block ids index ``0 .. num_blocks-1``.
@@ -32,12 +33,15 @@ class KVManager(ABC):
             a request holding no blocks has no entry.
         enable_prefix_caching: whether :meth:`find_cached_prefix` can find anything; blocks may
             then be shared between requests (their token states are counted once).
+        supports_fork: whether :meth:`fork` can share blocks.
     """
 
     name: str
     block_size: int
     block_tables: Mapping[str, list[int]]
     enable_prefix_caching: bool = False
+    #: whether :meth:`fork` shares blocks (parallel sampling, ``n > 1``, needs it)
+    supports_fork: bool = False
 
     # ------------------------------------------------------------------ the pool
     @property
@@ -112,9 +116,27 @@ class KVManager(ABC):
         return []
 
     # ---------------------------------------------------- reservation (contiguous)
-    def declare(self, request_id: str, reserve_tokens: int) -> None:
-        """Tell the manager how many tokens the request will reserve when admitted (contiguous
-        allocators reserve ahead; a manager that allocates on demand ignores it)."""
+    def declare(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        max_model_len: int,
+        expected_output_len: int | None = None,
+    ) -> int | None:
+        """A request's sizes before it is queued (tokens), for a manager that reserves ahead.
+
+        Contiguous allocators size their reservation from them (``expected_output_len``: the true
+        output length, from a trace or an earlier run); a manager that allocates on demand ignores them.
+
+        Returns:
+            the largest output the reservation will hold (the engine caps ``max_tokens`` at it),
+            or ``None`` for no cap.
+
+        Raises:
+            ValueError: the request cannot be sized (e.g. a length the allocator needs is missing);
+                nothing is queued.
+        """
         return None
 
     def forget(self, request_id: str) -> None:

@@ -44,6 +44,7 @@ class KVCacheManager(KVManager):
     """
 
     name = "paged"
+    supports_fork = True
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0

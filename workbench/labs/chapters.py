@@ -23,7 +23,7 @@ PAPER_FIG2_TOKEN_STATES = {"static": 0.204, "orca-pow2": 0.268, "orca-oracle": 0
 # ---------------------------------------------------------------- chapter 1
 def lab_engine(**engine_args: Any):
     """A real engine (an ``LLM``) with the lab defaults (the bundled model unless ``model=`` is given)."""
-    from workbench.engine import LLM
+    from workbench.entrypoints.llm import LLM
 
     return LLM(**(LAB_ENGINE_DEFAULTS | engine_args))
 
@@ -205,21 +205,19 @@ def gpu_probe() -> list[str]:
 
 # ---------------------------------------------------------------- chapter 4
 class _CaptureInputs:
-    """Wraps an executor: records each step's model input and the block tables it was laid out
-    with (read before the model runs: a request that finishes in the step frees its blocks)."""
+    """Wraps an executor's forward: records each step's model input and the block tables it was laid
+    out with (read before the model runs: a request that finishes in the step frees its blocks)."""
 
-    def __init__(self, inner, kv) -> None:
-        self.inner = inner
+    def __init__(self, executor, kv) -> None:
+        self.executor = executor
+        self.forward = executor.execute_model
         self.kv = kv
         self.inputs: list = []
 
-    def execute_model(self, inp):
+    def __call__(self, inp):
         tables = {s.request.request_id: list(self.kv.get_block_table(s.request.request_id)) for s in inp.order}
         self.inputs.append((inp, tables))
-        return self.inner.execute_model(inp)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+        return self.forward(inp)
 
 
 def live_batch(llm, records=None, num_steps: int = 3) -> list[list[dict[str, Any]]]:
@@ -237,7 +235,7 @@ def live_batch(llm, records=None, num_steps: int = 3) -> list[list[dict[str, Any
     for i, r in enumerate(records):
         eng.add_request(f"req-{i}", to_engine_prompt(r), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
     cap = _CaptureInputs(eng.executor, eng.kv)
-    eng.executor = cap
+    eng.executor.execute_model = cap  # this instance's forward, for the steps below
     out = []
     try:
         for _ in range(num_steps):
@@ -266,7 +264,7 @@ def live_batch(llm, records=None, num_steps: int = 3) -> list[list[dict[str, Any
                 i += n
             out.append(step)
     finally:
-        eng.executor = cap.inner
+        del eng.executor.execute_model  # the class's method again
     return out
 
 

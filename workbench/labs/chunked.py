@@ -140,7 +140,7 @@ def arrival_run(
         ValueError: bad engine arguments (before the model loads).
     """
     from workbench.bench.run import to_engine_prompt
-    from workbench.engine import LLM
+    from workbench.entrypoints.llm import LLM
     from workbench.metrics import Recorder
     from workbench.sampling import SamplingParams
     from workbench.viz.report import summary_table

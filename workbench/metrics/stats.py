@@ -70,6 +70,52 @@ class StepStats:
         return asdict(self)
 
 
+def step_stats(step: int, times: tuple, out, scheduler, kv, kv_bytes_per_token: int, usage, num_finished: int, comm):
+    """The record of one engine step: what it ran (``out``, a ``SchedulerOutput``), where the queues
+    (``scheduler``) and the KV pool (``kv``, and ``usage``: the split of
+    :mod:`workbench.metrics.accounting`) stood after it.
+
+    Args:
+        times: ``(time_s, wall_time_s, schedule_time_s, model_time_s, sample_time_s)`` in seconds.
+        comm: the step's collectives (anything with ``to_dict()``), or ``None``.
+    """
+    n_prefill = out.num_prefill_reqs
+    free_blocks = kv.num_free_blocks
+    return StepStats(
+        *(step, *times),
+        num_prefill_tokens=out.num_prefill_tokens,
+        num_decode_tokens=out.num_decode_tokens,
+        num_prefill_reqs=n_prefill,
+        num_decode_reqs=len(out.scheduled) - n_prefill,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_preemptions=len(out.preempted),
+        num_preempted_recompute=out.num_preempted_recompute,
+        num_preempted_swap=out.num_preempted_swap,
+        num_swapped=len(scheduler.swapped),
+        swap_out_blocks=len(out.swap_out),
+        swap_in_blocks=len(out.swap_in),
+        cow_block_copies=len(out.block_copies),
+        num_finished=num_finished,
+        num_blocks=kv.num_blocks,
+        blocks_used=kv.num_blocks - free_blocks,
+        blocks_free=free_blocks,
+        block_size=kv.block_size,
+        kv_bytes_per_token=kv_bytes_per_token,
+        token_states=usage.token_states,
+        reservation=usage.reservation,
+        internal_fragmentation=usage.internal_fragmentation,
+        external_fragmentation=usage.external_fragmentation,
+        free=usage.free,
+        kv_utilization=usage.kv_utilization,
+        fragmentation_rate=usage.fragmentation_rate,
+        num_cached_free_blocks=len(kv.cached_free_blocks()) if kv.enable_prefix_caching else 0,
+        prefix_cache_queries=out.prefix_cache_queries,
+        prefix_cache_hits=out.prefix_cache_hits,
+        **(comm.to_dict() if comm is not None else {}),
+    )
+
+
 @dataclass
 class RequestRecord:
     """Latency and size of one request. Times in seconds since the engine started."""
