@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from workbench import LLM, SamplingParams
+from workbench import LLM, LLMEngine, SamplingParams
 from workbench.attention import AttentionMetadata, DecodeGroup, get_backend, resolve_backend, torch_ref
 from workbench.config import EngineConfig
 
@@ -32,14 +32,14 @@ def test_backend_names_and_auto():
 @needs_triton
 def test_compiled_triton_on_cpu_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="device='cpu'.*'triton-interpret'"):
-        EngineConfig(attention_backend="triton", device="cpu").validate()
+        LLMEngine(EngineConfig(attention_backend="triton", device="cpu"))  # refused before the model loads
     assert get_backend("triton-interpret", "cpu").name == "triton-interpret"
 
 
 def test_triton_backend_without_triton_names_the_install(monkeypatch):
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="pip install triton"):
-        EngineConfig(attention_backend="triton-interpret").validate()
+        LLMEngine(EngineConfig(attention_backend="triton-interpret"))
     assert resolve_backend("auto", "cpu") == "torch"
 
 

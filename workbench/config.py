@@ -185,6 +185,13 @@ class EngineConfig:
             ValueError: a field is out of range, naming the value and the fix.
             FileNotFoundError: ``model`` is a path that does not exist.
         """
+        self._validate_sizes()
+        self._validate_choices()
+        self._validate_parallel()
+        self._validate_dtypes_and_paths()
+        return self
+
+    def _validate_sizes(self) -> None:
         bs = self.block_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1 or bs & (bs - 1):
             raise ValueError(
@@ -223,13 +230,6 @@ class EngineConfig:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an "
                 "integer >= 0 (0 = no cap)"
             )
-        for f in fields(self):  # the declared choices (scheduling, preemption, allocator, batching, backends)
-            v, ok = getattr(self, f.name), f.metadata.get("choices")
-            cli = f.metadata["cli"]
-            plugin = isinstance(cli, dict) and cli.get("plugins") and is_plugin_name(v)
-            if ok and v not in ok and not (v is None and f.default is None) and not plugin:
-                none = " or None" if f.default is None else ""
-                raise ValueError(f"{f.name}={v!r} must be one of {', '.join(map(repr, ok))}{none}")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space={self.swap_space!r} must be >= 0 (GiB of CPU memory for swapped blocks)")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
@@ -261,7 +261,17 @@ class EngineConfig:
                 )
         if not isinstance(self.block_map_every, int) or self.block_map_every < 0:
             raise ValueError(f"block_map_every={self.block_map_every!r} must be an integer >= 0 (steps; 0 = never)")
-        self._validate_parallel()
+
+    def _validate_choices(self) -> None:
+        for f in fields(self):  # the declared choices (scheduling, preemption, allocator, batching, backends)
+            v, ok = getattr(self, f.name), f.metadata.get("choices")
+            cli = f.metadata.get("cli")
+            plugin = isinstance(cli, dict) and cli.get("plugins") and is_plugin_name(v)
+            if ok and v not in ok and not (v is None and f.default is None) and not plugin:
+                none = " or None" if f.default is None else ""
+                raise ValueError(f"{f.name}={v!r} must be one of {', '.join(map(repr, ok))}{none}")
+
+    def _validate_dtypes_and_paths(self) -> None:
         resolve_dtype(self.dtype)
         if self.kv_cache_dtype != "auto":
             try:
@@ -275,9 +285,6 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} must be 'cpu', 'cuda', 'cuda:N' or 'auto'")
         if self.device != "cpu" and self.device != "auto" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} was asked for but CUDA is not available; use device='cpu'")
-        from workbench.attention.backend import check_backend  # imports no Triton
-
-        check_backend(self.attention_backend, self.torch_device)
         if self.model != DEFAULT_MODEL and not Path(self.model).expanduser().exists():
             raise FileNotFoundError(
                 f"model={self.model!r} does not exist; give an HF model folder, a .safetensors file "
@@ -286,7 +293,6 @@ class EngineConfig:
             )
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
             raise FileNotFoundError(f"tokenizer={self.tokenizer!r} does not exist; give a tokenizer folder")
-        return self
 
     def _validate_parallel(self) -> None:
         tp = self.tensor_parallel_size

@@ -19,8 +19,10 @@ from dataclasses import replace
 
 import torch
 
+from workbench.attention.backend import check_backend
 from workbench.config import EngineConfig, GiB
 from workbench.executor.local import LocalExecutor
+from workbench.inputs import Prompt, tokenize_prompt
 from workbench.kv import make_kv_manager, plugin_class
 from workbench.memory import MemoryBudget
 from workbench.metrics import Recorder, request_record
@@ -33,9 +35,6 @@ from workbench.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("workbench")
 
-#: A prompt: text (no template), token ids, or chat messages ``[{"role", "content"}]``
-#: (the model's chat template is applied).
-Prompt = str | list[int] | list[dict]
 
 
 def resolve_lengths(config: EngineConfig, model_max: int, whose: str) -> tuple[int, int]:
@@ -102,6 +101,7 @@ class LLMEngine:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config.validate()
+        check_backend(config.attention_backend, config.torch_device)  # Triton installed, the device right
         if ":" in config.kv_allocator:
             plugin_class(config.kv_allocator)  # a plug-in allocator that does not load fails before the model
         self.recorder = recorder or Recorder()
@@ -170,30 +170,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
-        """Token ids (and text) of a prompt; chat messages get the model's chat template.
-
-        Raises:
-            ValueError: an empty prompt, or text with no tokenizer available.
-        """
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty; give at least one character or token id")
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer: pass prompts as token-id lists")
-            return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("chat messages need a tokenizer with a chat template; pass a plain string")
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False), text
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty; give at least one character or token id")
-        vocab = self.hf_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab}); fix the prompt's token ids")
-        return ids, None
+        """Token ids and text of a prompt (:func:`workbench.inputs.tokenize_prompt`)."""
+        return tokenize_prompt(self.tokenizer, self.hf_config.vocab_size, prompt)
 
     def add_request(
         self,
@@ -242,6 +220,20 @@ class LLMEngine:
         if cap is not None:  # the reservation holds no more output than this
             sp = replace(sp, max_tokens=cap)
         arrival = self.clock() if arrival_time is None else arrival_time
+        group = self._make_group(request_id, ids, text, sp, arrival, priority)
+        error = self._refusal(len(ids))
+        if error:
+            for child in group:
+                child.error = error
+                child.status = RequestStatus.FINISHED_ERROR
+                child.finish_time = child.arrival_time
+                self._refused.append(child)
+        else:
+            self.scheduler.add_request(group[0], group[1:])
+        return request_id
+
+    def _make_group(self, request_id: str, ids, text, sp: SamplingParams, arrival: float, priority: int):
+        """The request's ``n`` sequences (one unless parallel sampling), each with its random stream."""
         seed = sp.seed if sp.seed is not None else self.config.seed * 1_000_003 + self._counter
         self._counter += 1
         group = []
@@ -264,28 +256,22 @@ class LLMEngine:
             group.append(child)
             self.requests[child.request_id] = child
         self.groups[request_id] = group
-        req = group[0]
-        n = len(ids)
+        return group
+
+    def _refusal(self, n: int) -> str | None:
+        """Why a prompt of ``n`` tokens can never run here, or ``None``."""
         if n >= self.max_model_len:
-            req.error = (
+            return (
                 f"prompt has {n} tokens but max_model_len={self.max_model_len} leaves room for at most "
                 f"{self.max_model_len - 1} prompt tokens (one is needed for the output); shorten the prompt "
                 "or raise max_model_len"
             )
-        elif n + 1 > self.kv.pool_tokens:
-            req.error = (
+        if n + 1 > self.kv.pool_tokens:
+            return (
                 f"prompt has {n} tokens but the KV pool holds {self.kv.pool_tokens} tokens; shorten the prompt "
                 "or give the KV cache more memory"
             )
-        if req.error:
-            for child in group:
-                child.error = req.error
-                child.status = RequestStatus.FINISHED_ERROR
-                child.finish_time = child.arrival_time
-                self._refused.append(child)
-        else:
-            self.scheduler.add_request(req, group[1:])
-        return request_id
+        return None
 
     def abort(self, request_id: str) -> None:
         """End a request in any state (waiting, running, swapped out), releasing everything it holds.
@@ -382,7 +368,7 @@ class LLMEngine:
             outputs=outs,
             finished=True,
             error=first.error,
-            metrics=request_record(first, self.start_time).to_dict(),
+            metrics=dict(vars(request_record(first, self.start_time))),  # (asdict's deep copy is slow)
         )
 
 

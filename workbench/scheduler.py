@@ -311,7 +311,8 @@ class Scheduler:
         scheduled_ids: set[str] | None = set() if self.policy == "priority" else None
         num_decode_tokens = 0
         i = 0
-        while i < len(running) and token_budget > 0:
+        num_running = len(running)
+        while i < num_running and token_budget > 0:
             req = running[i]
             c = req.num_computed_tokens
             num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -325,8 +326,10 @@ class Scheduler:
                     i += 1  # its whole prompt does not fit the rest of the budget; next step
                     continue
                 covered = False
-            if not covered and not self._make_room(req, c, n, out, scheduled_ids):
-                break  # req preempted itself: every request after it was preempted before it
+            if not covered:
+                if not self._make_room(req, c, n, out, scheduled_ids):
+                    break  # req preempted itself: every request after it was preempted before it
+                num_running = len(running)  # preemptions removed requests
             s = ScheduledRequest(req, c, n, num_tokens)  # _add, inlined: this loop runs for every running request
             out.scheduled.append(s)
             if s.is_prefill:

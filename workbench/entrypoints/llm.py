@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from workbench.config import EngineConfig
-from workbench.engine import LLMEngine, Prompt
+from workbench.engine import LLMEngine
+from workbench.inputs import Prompt
 from workbench.metrics import Recorder
 from workbench.outputs import RequestOutput
 from workbench.sampling import SamplingParams
