@@ -1,4 +1,4 @@
-"""Chapters 9 and 10's library (workbench.labs.multigpu): real TP runs on a tiny model, the simulator
+"""Chapters 9 and 10's library (workbench.labs.tensor_parallel, workbench.labs.nccl_buffers): real TP runs on a tiny model, the simulator
 grids, the buffer arithmetic against the engine's own budget, and the panels."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 from workbench import labs
 from workbench.comm import nccl_buffer_bytes
-from workbench.labs import multigpu as mg
+from workbench.labs import nccl_buffers as ncb
+from workbench.labs import tensor_parallel as tpl
 
 MiB = 1 << 20
 
@@ -31,30 +32,30 @@ def test_tp_runs_on_a_tiny_model(tiny_model):
     records = _token_records(3)
     args = dict(model=str(tiny_model), max_model_len=128, num_gpu_blocks_override=32)
     try:
-        runs = mg.tp_runs((1, 2), records=records, **args)
-        assert mg.same_tokens(runs) == {1: True, 2: True}
-        mem = {r["tensor_parallel_size"]: r for r in mg.memory_rows(runs)}
+        runs = tpl.tp_runs((1, 2), records=records, **args)
+        assert tpl.same_tokens(runs) == {1: True, 2: True}
+        mem = {r["tensor_parallel_size"]: r for r in tpl.memory_rows(runs)}
         assert mem[2]["kv_bytes_per_token"] * 2 == mem[1]["kv_bytes_per_token"]
         assert mem[1]["comm_buffer_bytes"] == 0
         assert mem[2]["comm_buffer_bytes"] == nccl_buffer_bytes(2).per_rank_bytes
         assert mem[1]["weights_bytes"] / 2 < mem[2]["weights_bytes"] < mem[1]["weights_bytes"]
-        dims = mg.model_dims(mg.tp_engine(2, **args))
+        dims = tpl.model_dims(tpl.tp_engine(2, **args))
         assert dims == {"hidden_size": 64, "num_hidden_layers": 2, "dtype_bytes": 4}
-        rows = mg.comm_rows(runs[2], dims)
+        rows = tpl.comm_rows(runs[2], dims)
         assert rows and all(r["allreduce_bytes"] == r["formula_bytes"] > 0 for r in rows)
-        assert all(r["allreduce_bytes"] == 0 for r in mg.comm_rows(runs[1], dims))
+        assert all(r["allreduce_bytes"] == 0 for r in tpl.comm_rows(runs[1], dims))
         # the exercise's reference passes on the engine's own steps
         steps = [s.to_dict() for s in runs[2].recorder.steps]
         assert labs.check("9.1", labs.solution("9.1", steps=steps, model=dims), steps=steps, model=dims)
         assert not labs.check("9.1", ctx.WRONG["9.1"][0], steps=steps, model=dims)
         # the same arguments give the same engine: built once
-        assert mg.tp_engine(2, **args) is mg.tp_engine(2, **args)
-        split = mg.time_split_rows(runs)
+        assert tpl.tp_engine(2, **args) is tpl.tp_engine(2, **args)
+        split = tpl.time_split_rows(runs)
         assert [r["tensor_parallel_size"] for r in split] == [1, 2]
         assert split[0]["communication_ms"] == 0 and split[1]["communication_ms"] > 0
-        assert len(mg.time_split_figure(split).data) == 4
+        assert len(tpl.time_split_figure(split).data) == 4
     finally:
-        mg.close_engines()
+        tpl.close_engines()
     assert not multiprocessing.active_children()
     assert not torch.distributed.is_initialized()
 
@@ -64,49 +65,51 @@ def test_tp_run_panel_reuses_engines_and_names_bad_sizes(tiny_model):
     pytest.importorskip("anywidget")
     args = dict(model=str(tiny_model), max_model_len=128, num_gpu_blocks_override=32)
     try:
-        panel = mg.TPRunPanel(sizes=(1, 2), records=_token_records(4, 6), num_requests=2, max_output=3, **args)
+        panel = tpl.TPRunPanel(sizes=(1, 2), records=_token_records(4, 6), num_requests=2, max_output=3, **args)
         res = panel.run(tensor_parallel_size=2)
         assert res.summary["requests_total"] == 2 and all(len(o.outputs[0].token_ids) <= 3 for o in res.outputs)
         assert "TP=2" in panel.status.value and "all-reduced" in panel.status.value
         assert [b.x for b in panel.figure.data][2] == ("TP=2",)
-        engine = mg.tp_engine(2, **args)
+        engine = tpl.tp_engine(2, **args)
         panel.run(tensor_parallel_size=1)
-        assert mg.tp_engine(2, **args) is engine  # kept, not rebuilt
+        assert tpl.tp_engine(2, **args) is engine  # kept, not rebuilt
         assert [b.x for b in panel.figure.data][1] == ("TP=1", "TP=2")
         with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide"):
             panel.run(tensor_parallel_size=3)
         assert "tensor_parallel_size=3" in panel.status.value and panel.error
         assert panel.run(tensor_parallel_size=1) is panel.result
     finally:
-        mg.close_engines()
+        tpl.close_engines()
 
 
 def test_allreduce_formula_matches_the_exercise_reference():
     from workbench.labs.exercises_multigpu import reference_allreduce_bytes
 
     assert (
-        mg.expected_allreduce_bytes(171, 576, 30, 4) == 61 * 171 * 576 * 4 == reference_allreduce_bytes(171, 576, 30, 4)
+        tpl.expected_allreduce_bytes(171, 576, 30, 4)
+        == 61 * 171 * 576 * 4
+        == reference_allreduce_bytes(171, 576, 30, 4)
     )
 
 
 # ---------------------------------------------------------------- simulator
 def test_pcie_variant_changes_only_the_link():
-    nv = mg.sim_hardware("A100-80GB", "NVLink")
-    pc = mg.sim_hardware("A100-80GB", "PCIe")
+    nv = tpl.sim_hardware("A100-80GB", "NVLink")
+    pc = tpl.sim_hardware("A100-80GB", "PCIe")
     assert (pc.interconnect, pc.link_bandwidth, pc.link_latency_s) == ("PCIe", 32e9, 5e-6)
     same = ("memory_bytes", "peak_flops", "hbm_bandwidth", "host_bandwidth")
     assert all(getattr(nv, k) == getattr(pc, k) for k in same)
     with pytest.raises(ValueError, match="interconnect='InfiniBand'"):
-        mg.sim_hardware("A100-80GB", "InfiniBand")
+        tpl.sim_hardware("A100-80GB", "InfiniBand")
     with pytest.raises(ValueError, match="not in the simulator's catalogue"):
-        mg.sim_hardware("B300")
+        tpl.sim_hardware("B300")
 
 
 def test_sim_tp_grid_nvlink_vs_pcie_is_deterministic():
-    trace = mg.burst_trace(24)
+    trace = tpl.burst_trace(24)
     assert len(trace) == 24 and all(r.arrival_s == 0.0 for r in trace)
-    rows = mg.sim_tp_grid("llama-2-70b", "A100-80GB", sizes=(4, 8), trace=trace)
-    assert rows == mg.sim_tp_grid("llama-2-70b", "A100-80GB", sizes=(4, 8), trace=trace)
+    rows = tpl.sim_tp_grid("llama-2-70b", "A100-80GB", sizes=(4, 8), trace=trace)
+    assert rows == tpl.sim_tp_grid("llama-2-70b", "A100-80GB", sizes=(4, 8), trace=trace)
     by = {(r["interconnect"], r["tensor_parallel_size"]): r for r in rows}
     for n in (4, 8):
         nv, pc = by[("NVLink", n)], by[("PCIe", n)]
@@ -115,16 +118,16 @@ def test_sim_tp_grid_nvlink_vs_pcie_is_deterministic():
         assert pc["num_blocks"] == nv["num_blocks"]  # the link changes time, not memory
     assert by[("NVLink", 8)]["num_blocks"] > 2 * by[("NVLink", 4)]["num_blocks"]
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        mg.sim_run_row("llama-2-70b", "A100-80GB", "NVLink", 3, trace)
+        tpl.sim_run_row("llama-2-70b", "A100-80GB", "NVLink", 3, trace)
 
 
 # ---------------------------------------------------------------- chapter 10: buffers
 def test_buffer_rows_follow_the_model():
-    rows = mg.buffer_rows(sizes=(2, 4, 8))
-    assert len(rows) == 3 * len(mg.BUFFER_CONFIGS)
+    rows = ncb.buffer_rows(sizes=(2, 4, 8))
+    assert len(rows) == 3 * len(ncb.BUFFER_CONFIGS)
     for r in rows:
-        cfg = mg.BUFFER_CONFIGS[r["config"]]
-        e = mg.buffer_estimate(r["tensor_parallel_size"], **cfg)
+        cfg = ncb.BUFFER_CONFIGS[r["config"]]
+        e = ncb.buffer_estimate(r["tensor_parallel_size"], **cfg)
         assert (
             r["per_rank_bytes"] == e.per_rank_bytes and r["group_bytes"] == r["tensor_parallel_size"] * e.per_rank_bytes
         )
@@ -133,12 +136,12 @@ def test_buffer_rows_follow_the_model():
     big = next(r for r in rows if r["config"] == "64 MiB, 32 ch" and r["tensor_parallel_size"] == 4)
     assert big["nchannels"] == 32 and big["per_rank_bytes"] == 32 * (64 * MiB + 524_288 + 4_915_200)
     with pytest.raises(ValueError, match="unknown buffer argument"):
-        mg.buffer_estimate(2, nccl_buffersize=1)
-    assert len(mg.buffer_figure(channels=(1, 2), buffsizes_mib=(4,)).data) == 2
+        ncb.buffer_estimate(2, nccl_buffersize=1)
+    assert len(ncb.buffer_figure(channels=(1, 2), buffsizes_mib=(4,)).data) == 2
 
 
 def test_kv_cost_agrees_with_kv_calc_and_grows_with_the_buffers():
-    rows = mg.kv_cost_rows("llama-2-70b", "A100-80GB", sizes=(4, 8))
+    rows = ncb.kv_cost_rows("llama-2-70b", "A100-80GB", sizes=(4, 8))
     assert all(r["kv_calc_agrees"] for r in rows)
     for tp in (4, 8):
         rs = {r["config"]: r for r in rows if r["tensor_parallel_size"] == tp}
@@ -152,9 +155,9 @@ def test_kv_cost_agrees_with_kv_calc_and_grows_with_the_buffers():
 
 
 def test_exercise_10_1_context_is_the_engines_budget():
-    ex = mg.buffer_exercise()
+    ex = ncb.buffer_exercise()
     assert ex == ctx.EX_10_1  # the test context is the simulated engine's figure, not a copy gone stale
-    m = mg.sim_budget(
+    m = ncb.sim_budget(
         "llama-2-70b", "H100-80GB", 4, nccl_buffsize=8 * MiB, nccl_min_nchannels=24, nccl_max_nchannels=24
     )
     assert m.num_blocks == ex["engine_num_blocks"]
@@ -162,8 +165,8 @@ def test_exercise_10_1_context_is_the_engines_budget():
 
 
 def test_sim_buffer_grid_costs_throughput_only_where_the_pool_binds():
-    configs = {k: mg.BUFFER_CONFIGS[k] for k in ("default (4 MiB, 2 ch)", "64 MiB, 32 ch")}
-    rows = mg.sim_buffer_grid("llama-2-70b", ("A100-80GB",), sizes=(4, 8), configs=configs)
+    configs = {k: ncb.BUFFER_CONFIGS[k] for k in ("default (4 MiB, 2 ch)", "64 MiB, 32 ch")}
+    rows = ncb.sim_buffer_grid("llama-2-70b", ("A100-80GB",), sizes=(4, 8), configs=configs)
     by = {(r["tensor_parallel_size"], r["config"]): r for r in rows}
     d4, b4 = by[(4, "default (4 MiB, 2 ch)")], by[(4, "64 MiB, 32 ch")]
     d8, b8 = by[(8, "default (4 MiB, 2 ch)")], by[(8, "64 MiB, 32 ch")]
@@ -171,12 +174,12 @@ def test_sim_buffer_grid_costs_throughput_only_where_the_pool_binds():
     assert b4["output_tok_s"] < d4["output_tok_s"]
     assert b8["num_blocks"] < d8["num_blocks"]
     assert (b8["output_tok_s"], b8["peak_running"]) == (d8["output_tok_s"], d8["peak_running"])
-    assert len(mg.sim_buffer_figure(rows).data) == 2
+    assert len(ncb.sim_buffer_figure(rows).data) == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU branch")
 def test_measured_buffers_say_so_without_cuda():
-    lines = mg.measured_buffer_lines()
+    lines = ncb.measured_buffer_lines()
     assert len(lines) == 1 and "no CUDA device" in lines[0]
 
 
@@ -184,10 +187,10 @@ def test_measured_buffers_say_so_without_cuda():
 def test_sim_panels_run_and_name_bad_values():
     pytest.importorskip("ipywidgets")
     pytest.importorskip("anywidget")
-    p = mg.TPSimPanel(num_requests=16)
+    p = tpl.TPSimPanel(num_requests=16)
     row = p.run(tensor_parallel_size=8, interconnect="PCIe")
     assert row["interconnect"] == "PCIe" and row["tensor_parallel_size"] == 8
-    assert row == mg.sim_run_row("llama-2-70b", "A100-80GB", "PCIe", 8, mg.burst_trace(16))
+    assert row == tpl.sim_run_row("llama-2-70b", "A100-80GB", "PCIe", 8, tpl.burst_trace(16))
     assert "8 x A100-80GB (PCIe)" in p.status.value and len(p.figure.data[0].x) == 1
     with pytest.raises(ValueError, match="not enough memory|does not fit|KV"):
         p.run(tensor_parallel_size=1)  # 70B in float16 does not fit one A100-80GB
@@ -199,7 +202,7 @@ def test_sim_panels_run_and_name_bad_values():
     p.wait(120)
     assert len(p.history) == 3 and p.history[-1][1] == p.history[-2][1] and len(p.figure.data[0].x) == 3
 
-    b = mg.BufferPanel(num_requests=16)
+    b = ncb.BufferPanel(num_requests=16)
     with pytest.raises(ValueError, match="nccl_min_nchannels=8 > nccl_max_nchannels=2"):
         b.run(nccl_min_nchannels=8)
     assert "nccl_min_nchannels" in b.status.value

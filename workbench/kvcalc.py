@@ -33,6 +33,7 @@ import torch
 
 from workbench.catalog import MODELS, GPUSpec, ModelArch, find_gpu, find_model
 from workbench.memory import kv_bytes_per_token
+from workbench.model.shapes import arch_from_hf_config
 from workbench.units import parse_size  # the one size parser; importable from here as before
 
 WEIGHT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -43,7 +44,6 @@ KV_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
-_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
 
 def fmt_bytes(n: float) -> str:
@@ -56,47 +56,6 @@ def fmt_bytes(n: float) -> str:
 
 
 # ----------------------------------------------------------------------------- architectures
-
-
-def arch_from_hf_config(cfg, name: str, source: str) -> ModelArch:
-    """A :class:`ModelArch` from a transformers config (a multimodal one: its text config).
-
-    Raises:
-        ValueError: a mixture-of-experts config (its weight size is not modelled), or a field is missing.
-    """
-    if hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
-    mt = getattr(cfg, "model_type", None) or "unknown"
-    if any(getattr(cfg, k, None) for k in _MOE_KEYS):
-        raise ValueError(
-            f"{source}: model_type={mt!r} is a mixture-of-experts model; kv-calc models dense Llama-family "
-            "architectures (Llama, Mistral, Qwen2 and the like)"
-        )
-    try:
-        h, heads, layers = cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers
-        inter, vocab = cfg.intermediate_size, cfg.vocab_size
-    except AttributeError as e:
-        raise ValueError(f"{source}: the config lacks a field kv-calc needs ({e})") from None
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or h // heads
-    attention_bias = bool(getattr(cfg, "attention_bias", False))
-    return ModelArch(
-        name=name,
-        hidden_size=h,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        intermediate_size=inter,
-        vocab_size=vocab,
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        max_position_embeddings=getattr(cfg, "max_position_embeddings", None) or 0,
-        qkv_bias=attention_bias or mt == "qwen2",  # transformers' Qwen2Attention always has q/k/v bias
-        o_bias=attention_bias,
-        mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-        model_type=mt,
-        source=source,
-    )
 
 
 def load_arch(model: str) -> ModelArch:

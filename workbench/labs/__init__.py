@@ -3,12 +3,15 @@
 - :mod:`workbench.labs.runs` — real engine runs on a seeded trace, deterministic summaries;
 - :mod:`workbench.labs.panel` — :class:`RunPanel`, widgets named like the engine arguments with a
   Run button and a live plot (``workbench[lab]``);
-- :mod:`workbench.labs.exercises` — self-checking exercises (:func:`check`), solutions verified;
+- :mod:`workbench.labs.exercises` — self-checking exercises (:func:`check`, from
+  :mod:`workbench.labs.exercise_registry`), solutions verified;
 - :mod:`workbench.labs.chapters` — each chapter's measurements and figures (chapters 1-6);
 - :mod:`workbench.labs.sweep` — chapter 7: the parameter matrix (:class:`~workbench.labs.sweep.SweepPanel`,
   real and simulated sweeps, heatmaps);
 - :mod:`workbench.labs.chunked` — chapter 8: chunked prefill and the ITL / TTFT trade-off;
-- :mod:`workbench.labs.multigpu` — chapters 9 and 10: tensor parallelism and NCCL buffers.
+- :mod:`workbench.labs.tensor_parallel` — chapter 9: tensor parallelism, real and simulated;
+- :mod:`workbench.labs.nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
+  (what both share: :mod:`workbench.labs.multigpu_common`).
 
 The chapter modules are loaded on first use (``labs.sweep`` works after ``from workbench import labs``).
 """
@@ -31,7 +34,7 @@ __all__ = [
 
 
 #: chapter modules, imported on first use (they import plotly, widgets, the simulator)
-_MODULES = ("chapters", "chunked", "multigpu", "panel", "sweep")
+_MODULES = ("chapters", "chunked", "multigpu_common", "nccl_buffers", "panel", "sweep", "tensor_parallel")
 
 
 def __getattr__(name):  # the panel imports ipywidgets: only when asked for

@@ -1,4 +1,5 @@
-"""Self-checking exercises of the chapter notebooks.
+"""Self-checking exercises of the chapter notebooks: chapters 1-6 here, and every chapter's once imported
+(the registry and :func:`check` live in :mod:`workbench.labs.exercise_registry`).
 
 A learner's cell reads::
 
@@ -20,176 +21,22 @@ end; :func:`solution` returns the solution of one exercise for a given context.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-__all__ = ["Exercise", "ExerciseBroken", "EXERCISES", "check", "solution", "solutions_mode"]
+from workbench.labs.exercise_registry import (
+    EXERCISES,
+    Exercise,
+    ExerciseBroken,
+    Verdict,
+    _close,
+    _number,
+    _register,
+    check,
+    solution,
+    solutions_mode,
+)
 
-
-class ExerciseBroken(AssertionError):
-    """An exercise's own solution fails its check (a defect of the course, not of the learner)."""
-
-
-@dataclass(frozen=True)
-class Exercise:
-    """One exercise.
-
-    Attributes:
-        id: ``"chapter.number"``.
-        question: what is asked, with the unit.
-        hint: shown while unanswered.
-        solution: ``solution(**context) -> answer``.
-        judge: ``judge(answer, **context) -> (ok, message)``.
-    """
-
-    id: str
-    question: str
-    hint: str
-    solution: Callable[..., Any]
-    judge: Callable[..., tuple[bool, str]]
-
-
-EXERCISES: dict[str, Exercise] = {}
-
-
-def _register(id: str, question: str, hint: str):
-    def deco(cls):
-        EXERCISES[id] = Exercise(id, question, hint, cls.solution, cls.judge)
-        return cls
-
-    return deco
-
-
-def solutions_mode() -> bool:
-    """True when ``WORKBENCH_LAB_SOLUTIONS`` is set to 1 / true / yes."""
-    return os.environ.get("WORKBENCH_LAB_SOLUTIONS", "").strip().lower() in ("1", "true", "yes")
-
-
-def solution(exercise_id: str, **context: Any) -> Any:
-    """The reference answer of an exercise for this context.
-
-    Raises:
-        KeyError: an unknown exercise id (the message lists the known ones).
-    """
-    return _get(exercise_id).solution(**context)
-
-
-def _get(exercise_id: str) -> Exercise:
-    try:
-        return EXERCISES[exercise_id]
-    except KeyError:
-        raise KeyError(f"no exercise {exercise_id!r}; known: {', '.join(sorted(EXERCISES))}") from None
-
-
-def check(exercise_id: str, answer: Any = ..., **context: Any) -> Verdict:
-    """Check an answer and print a verdict; returns a :class:`Verdict` (true when correct).
-
-    Args:
-        exercise_id: e.g. ``"1.1"``.
-        answer: the learner's answer; ``...`` (Ellipsis) means not answered yet.
-        **context: what the exercise is about (a run's steps, a memory budget...), as the
-            notebook passes it.
-
-    Raises:
-        ExerciseBroken: the exercise's own solution fails for this context.
-        KeyError: an unknown exercise id.
-        TypeError: missing or unexpected context (the message names what the exercise takes).
-    """
-    ex = _get(exercise_id)
-    _check_context(ex, context)
-    ref = ex.solution(**context)
-    ok, why = ex.judge(ref, **context)
-    if not ok:
-        raise ExerciseBroken(f"exercise {exercise_id}: the reference solution fails its own check ({why})")
-    if answer is ... or _is_stub(answer):  # `...`, or a function whose body is still `...`
-        if not solutions_mode():
-            return _unanswered(ex)
-        print(f"[{exercise_id}] solutions mode: checking the reference solution")
-        answer = ref
-    probe = _Returns(answer) if callable(answer) else None
-    try:
-        ok, why = ex.judge(probe or answer, **context)
-    except Exception as e:  # a learner's function that raises is a wrong answer, not a crash
-        ok, why = False, f"your answer raised {type(e).__name__}: {e}"
-    if not ok and probe is not None and probe.returned_none and not probe.returned_value:
-        why = "your function returned None — is a `return` missing?"
-    print(f"[{exercise_id}] {'correct' if ok else 'not yet'}: {why}")
-    return Verdict(ok)
-
-
-class Verdict:
-    """What :func:`check` returns: true when correct; shows nothing in a notebook (the verdict is printed)."""
-
-    def __init__(self, ok: bool) -> None:
-        self.ok = ok
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def __repr__(self) -> str:
-        return f"Verdict({self.ok})"
-
-    def _ipython_display_(self) -> None:
-        pass
-
-
-def _unanswered(ex: Exercise) -> Verdict:
-    print(f"[{ex.id}] not answered yet: {ex.question}\n    hint: {ex.hint}")
-    return Verdict(False)
-
-
-class _Returns:
-    """Wraps a learner's function: did it return ``None``, or something else?"""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-        self.returned_value = False
-        self.returned_none = False
-
-    def __call__(self, *args, **kwargs):
-        out = self.fn(*args, **kwargs)
-        if out is None:
-            self.returned_none = True
-        else:
-            self.returned_value = True
-        return out
-
-
-def _stub():  # the body a notebook's exercise cell starts with
-    ...
-
-
-def _is_stub(answer: Any) -> bool:
-    """True for a function whose body is only ``...`` (or ``pass``): not answered yet."""
-    code = getattr(answer, "__code__", None)
-    return code is not None and code.co_code == _stub.__code__.co_code and code.co_consts[:1] in ((None,), ())
-
-
-def _check_context(ex: Exercise, context: dict) -> None:
-    import inspect
-
-    params = inspect.signature(ex.solution).parameters
-    missing = [n for n in params if n not in context]
-    unknown = [n for n in context if n not in params]
-    if missing or unknown:
-        need = ", ".join(f"{n}=..." for n in params) or "no context"
-        raise TypeError(
-            f"exercise {ex.id} takes {need} (as in the chapter's cell)"
-            + (f"; missing: {', '.join(missing)}" if missing else "")
-            + (f"; unexpected: {', '.join(unknown)}" if unknown else "")
-        )
-
-
-def _close(a: float, b: float, rel: float = 1e-6) -> bool:
-    return math.isclose(float(a), float(b), rel_tol=rel, abs_tol=rel)
-
-
-def _number(answer: Any) -> float | None:
-    if isinstance(answer, bool) or not isinstance(answer, int | float):
-        return None
-    return float(answer)
+__all__ = ["Exercise", "ExerciseBroken", "EXERCISES", "Verdict", "check", "solution", "solutions_mode"]
 
 
 # ---------------------------------------------------------------- chapter 1: KV anatomy, the budget
@@ -551,5 +398,6 @@ class _SwapBytes:
         return False, f"{x:,.0f} B is not it"
 
 
-# The later chapters' exercises register themselves on import (after everything above exists).
+# The later chapters' exercises register themselves in the registry on import (after chapters 1-6, so
+# EXERCISES keeps chapter order); they import the registry, not this module.
 from workbench.labs import exercises_multigpu, exercises_tuning  # noqa: E402, F401

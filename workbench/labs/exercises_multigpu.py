@@ -1,10 +1,11 @@
-"""Exercises of chapters 9 and 10 (tensor parallelism; NCCL buffer tuning), registered in :data:`workbench.labs.exercises.EXERCISES`."""
+"""Exercises of chapters 9 and 10 (tensor parallelism; NCCL buffer tuning), registered in
+:data:`workbench.labs.exercise_registry.EXERCISES`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from workbench.labs.exercises import _number, _register
+from workbench.labs.exercise_registry import _number, _register
 
 
 # ---------------------------------------------------------------- chapter 9: tensor parallelism

@@ -1,11 +1,12 @@
-"""Exercises of chapters 7 and 8 (the parameter matrix; chunked prefill), registered in :data:`workbench.labs.exercises.EXERCISES`."""
+"""Exercises of chapters 7 and 8 (the parameter matrix; chunked prefill), registered in
+:data:`workbench.labs.exercise_registry.EXERCISES`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
-from workbench.labs.exercises import _number, _register
+from workbench.labs.exercise_registry import _number, _register
 
 
 # ---------------------------------------------------------------- chapter 7: the parameter matrix

@@ -14,8 +14,9 @@ fused (one matmul each), as in vLLM and Megatron-LM.
 Tensor parallelism: built with a :class:`~workbench.model.parallel.TensorParallelGroup`,
 each layer holds one rank's shard (column-parallel QKV and gate/up, row-parallel o/down
 with one all-reduce each, vocab-parallel embedding and LM head with a gather of logits;
-see :mod:`workbench.model.parallel`). Without one (``tp=None``) the modules and the
-arithmetic are exactly the single-device ones.
+see :mod:`workbench.model.parallel`). Without one (``tp=None``) the same layers get a
+:class:`~workbench.model.parallel.SingleDeviceGroup`, which communicates nothing: the arithmetic
+is exactly the single-device one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from workbench.attention import TORCH_BACKEND, AttentionMetadata
 from workbench.model.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SingleDeviceGroup,
     TensorParallelGroup,
     VocabParallelEmbedding,
     kv_heads_per_rank,
@@ -80,21 +82,17 @@ class LlamaAttention(nn.Module):
     """Grouped-query attention; under tensor parallelism this rank's heads only (``num_heads``,
     ``num_kv_heads`` are then the local counts)."""
 
-    def __init__(self, config, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config, tp: TensorParallelGroup) -> None:
         super().__init__()
-        n = tp.world_size if tp is not None else 1
+        n = tp.world_size
         self.num_heads = config.num_attention_heads // n
         self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, n)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
-        if tp is None:
-            self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-            self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-        else:
-            self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-            self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias, tp)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias, tp)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
@@ -113,16 +111,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU; under tensor parallelism this rank's ``intermediate_size / N`` features."""
 
-    def __init__(self, config, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config, tp: TensorParallelGroup) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = config.intermediate_size // (tp.world_size if tp is not None else 1)
-        if tp is None:
-            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
-            self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
-        else:
-            self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
-            self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, tp)
+        self.intermediate_size = config.intermediate_size // tp.world_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, tp)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -130,7 +124,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp)
@@ -148,18 +142,17 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: a transformers ``LlamaConfig`` (or any config with the same fields).
         max_positions: length of the RoPE tables (the engine's ``max_model_len``).
-        tp: this rank's tensor-parallel group; ``None`` = the whole model in one process.
-            With a group, load a shard (:func:`workbench.model.parallel.shard_hf_state_dict`).
+        tp: this rank's tensor-parallel group; ``None`` = the whole model in one process (a
+            :class:`~workbench.model.parallel.SingleDeviceGroup`). With a group of several ranks,
+            load a shard (:func:`workbench.model.parallel.shard_hf_state_dict`).
     """
 
     def __init__(self, config, max_positions: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        tp = tp or SingleDeviceGroup()  # the same layers at every size
         self.tp = tp
-        if tp is None:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
@@ -198,10 +191,8 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, cache, meta)
         x = self.norm(x[logits_indices])
-        logits = F.linear(x, self.lm_head_weight)
-        if self.tp is not None:  # [S, ceil(V/N)] per rank -> [S, V] on every rank
-            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
-        return logits.float()
+        logits = F.linear(x, self.lm_head_weight)  # [S, ceil(V/N)] per rank -> [S, V] on every rank
+        return self.tp.gather_vocab(logits, self.config.vocab_size).float()
 
     # ---------------------------------------------------------------- weights
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

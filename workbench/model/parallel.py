@@ -21,6 +21,8 @@ Per decoder layer, with ``N`` ranks, ``H`` query heads, ``KV`` KV heads and ``I`
 
 A row-parallel bias is added once, after the all-reduce. Every collective goes through a
 :class:`TensorParallelGroup`, which counts bytes and time (:class:`~workbench.comm.CommStats`).
+In one process without ``torch.distributed`` the same layers take a :class:`SingleDeviceGroup`,
+whose collectives do nothing: the model has one code path at every size.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.comm import CommStats, Timed
+from workbench.model.shapes import arch_from_hf_config
 
 
 class TensorParallelGroup:
@@ -42,6 +45,10 @@ class TensorParallelGroup:
         group: the process group (``None`` = the default group).
         device: where this rank's tensors live (CUDA collectives are synchronized for timing).
     """
+
+    #: whether the collectives go through ``torch.distributed`` (a group of one rank over a real
+    #: process group still does; :class:`SingleDeviceGroup` does not)
+    communicates = True
 
     def __init__(self, rank: int, world_size: int, group=None, device: torch.device | str = "cpu") -> None:
         self.rank = rank
@@ -68,6 +75,24 @@ class TensorParallelGroup:
         with Timed(self.stats, "allgather_bytes", x.numel() * x.element_size() * self.world_size, self.device):
             dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)[..., :full]
+
+
+class SingleDeviceGroup(TensorParallelGroup):
+    """The group of one, without ``torch.distributed``: nothing to sum or gather, so the collectives
+    return their input and count nothing, and the parallel layers below are exactly the
+    single-device ones (:class:`RowParallelLinear` fuses its bias as ``nn.Linear``; the embedding is
+    a plain lookup)."""
+
+    communicates = False
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__(0, 1, None, device)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_vocab(self, x: torch.Tensor, full: int) -> torch.Tensor:
+        return x[..., :full]
 
 
 def kv_heads_per_rank(num_kv_heads: int, world_size: int) -> int:
@@ -121,6 +146,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.communicates:  # nothing to sum: the bias fused, as nn.Linear (same bits)
+            return F.linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
@@ -140,6 +167,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.communicates:  # the whole vocabulary: a plain lookup
+            return F.embedding(ids, self.weight)
         inside = (ids >= self.start) & (ids < self.end)
         local = torch.where(inside, ids - self.start, torch.zeros_like(ids))
         x = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
@@ -194,8 +223,6 @@ def shard_hf_state_dict(sd: dict[str, torch.Tensor], config, rank: int, world_si
 
 def valid_tensor_parallel_sizes(config, limit: int = 64) -> list[int]:
     """Group sizes up to ``limit`` that split ``config`` (the rules of :func:`check_tensor_parallel`)."""
-    from workbench.kvcalc import arch_from_hf_config
-
     return arch_from_hf_config(config, _name(config), "").valid_tensor_parallel_sizes(limit)
 
 
@@ -209,8 +236,6 @@ def check_tensor_parallel(config, tensor_parallel_size: int, name: str | None = 
         ValueError: names the model (``name``, else its config's path), its head counts, MLP width
             and the valid sizes.
     """
-    from workbench.kvcalc import arch_from_hf_config
-
     arch_from_hf_config(config, name or _name(config), "").check_tensor_parallel(tensor_parallel_size)
 
 

@@ -19,7 +19,7 @@ Inputs are plain data, so nothing here imports the engine:
 The categories and their definitions are those of ARCHITECTURE §3, after the vLLM paper
 (Kwon et al., *Efficient Memory Management for Large Language Model Serving with
 PagedAttention*, SOSP 2023, §2.3 and Fig. 2). Category colours are defined once, in
-:data:`workbench.viz.report.MEMORY_CATEGORIES`, and used by every figure here.
+:data:`workbench.viz.common.MEMORY_CATEGORIES`, and used by every figure here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.metrics.waste import USED_CATEGORIES, waste_breakdown
-from workbench.viz.report import MEMORY_CATEGORIES, _latency_values, _no_data_figure, _percentile
+from workbench.viz.common import MEMORY_CATEGORIES, _latency_values, _no_data_figure, _percentile
 
 __all__ = [
     "BLOCK_STATE_COLOURS",

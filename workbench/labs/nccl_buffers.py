@@ -1,0 +1,493 @@
+"""Chapter 10 of the labs: NCCL buffer tuning.
+
+The chapter uses the NCCL buffer model (:func:`workbench.comm.nccl_buffer_bytes`) and the
+simulated engine's memory budget (the same arithmetic as ``workbench kv-calc``) to show what
+``NCCL_BUFFSIZE``, the channel counts and the protocols cost in KV blocks and concurrency, and
+what that does to the simulator's throughput and latency (:func:`sim_run_row`, shared with
+chapter 9 in :mod:`workbench.labs.multigpu_common`). Where a GPU is present,
+:func:`measured_buffer_lines` sets the model beside what a real engine measures.
+
+The panel (:class:`BufferPanel`) is made of ipywidgets named like the engine arguments; its
+``run()`` is the Run button's code path, without a click.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+
+from workbench.labs.multigpu_common import (
+    MiB,
+    _own_link,
+    _Panel,
+    print_sim_rows,
+    sim_hardware,
+    sim_run_row,
+)
+
+__all__ = [
+    "BUFFER_CONFIGS",
+    "BufferPanel",
+    "buffer_estimate",
+    "buffer_exercise",
+    "buffer_figure",
+    "buffer_findings",
+    "buffer_rows",
+    "kv_cost_rows",
+    "long_trace",
+    "measured_buffer_lines",
+    "print_buffer_rows",
+    "print_kv_cost",
+    "print_sim_rows",
+    "sim_budget",
+    "sim_buffer_figure",
+    "sim_buffer_grid",
+    "sim_hardware",
+    "sim_run_row",
+]
+
+
+# ====================================================================== chapter 10: NCCL buffers
+#: buffer configurations of the chapter: (label, engine arguments)
+BUFFER_CONFIGS: dict[str, dict[str, Any]] = {
+    "default (4 MiB, 2 ch)": {},
+    "4 MiB, 16 ch": {"nccl_buffsize": 4 * MiB, "nccl_min_nchannels": 16},
+    "16 MiB, 16 ch": {"nccl_buffsize": 16 * MiB, "nccl_min_nchannels": 16},
+    "64 MiB, 32 ch": {"nccl_buffsize": 64 * MiB, "nccl_min_nchannels": 32},
+    "1 MiB, 2 ch, Simple only": {"nccl_buffsize": 1 * MiB, "nccl_proto": "Simple"},
+}
+
+
+def buffer_estimate(tensor_parallel_size: int, **nccl_args: Any):
+    """:func:`workbench.comm.nccl_buffer_bytes` from engine arguments (``nccl_buffsize``,
+    ``nccl_min_nchannels``, ``nccl_max_nchannels``, ``nccl_proto``; ``nchannels``: the count NCCL
+    picks before the bounds, default 2) — the same call the engine and the simulator make."""
+    from workbench.comm import nccl_buffer_bytes
+
+    unknown = set(nccl_args) - {"nccl_buffsize", "nccl_min_nchannels", "nccl_max_nchannels", "nccl_proto", "nchannels"}
+    if unknown:
+        raise ValueError(
+            f"unknown buffer argument(s) {sorted(unknown)}; use nccl_buffsize, nccl_min_nchannels, "
+            "nccl_max_nchannels, nccl_proto"
+        )
+    return nccl_buffer_bytes(
+        tensor_parallel_size,
+        buffsize=nccl_args.get("nccl_buffsize"),
+        nchannels=nccl_args.get("nchannels"),
+        protocols=nccl_args.get("nccl_proto"),
+        min_nchannels=nccl_args.get("nccl_min_nchannels"),
+        max_nchannels=nccl_args.get("nccl_max_nchannels"),
+    )
+
+
+def buffer_rows(
+    sizes: Sequence[int] = (2, 4, 8), configs: dict[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Per-rank and whole-group buffer bytes of each configuration at each group size (the model)."""
+    configs = configs or BUFFER_CONFIGS
+    rows = []
+    for name, cfg in configs.items():
+        for n in sizes:
+            e = buffer_estimate(n, **cfg)
+            rows.append(
+                {
+                    "config": name,
+                    "tensor_parallel_size": n,
+                    "nchannels": e.nchannels,
+                    "protocols": "+".join(e.protocols),
+                    "per_connection_bytes": e.per_connection_bytes,
+                    "per_rank_bytes": e.per_rank_bytes,
+                    "group_bytes": e.total_bytes,
+                }
+            )
+    return rows
+
+
+def print_buffer_rows(rows: Sequence[dict[str, Any]]) -> None:
+    print(
+        f"{'configuration':<26} {'TP':>3} {'channels':>8} {'protocols':<18} {'per conn. MiB':>13} {'per rank MiB':>12} {'group MiB':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['config']:<26} {r['tensor_parallel_size']:>3} {r['nchannels']:>8} {r['protocols']:<18} "
+            f"{r['per_connection_bytes'] / MiB:>13.2f} {r['per_rank_bytes'] / MiB:>12.2f} {r['group_bytes'] / MiB:>10.2f}"
+        )
+
+
+def buffer_figure(
+    channels: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    buffsizes_mib: Sequence[int] = (1, 4, 16, 64),
+    protocols: Sequence[str] = ("LL,LL128,Simple", "Simple"),
+) -> go.Figure:
+    """Per-rank buffer MiB against the channel count, one line per ``NCCL_BUFFSIZE`` and protocol set
+    (ring: the same at any group size >= 2)."""
+    fig = go.Figure()
+    for proto in protocols:
+        for b in buffsizes_mib:
+            y = [
+                buffer_estimate(
+                    2, nccl_buffsize=b * MiB, nccl_min_nchannels=c, nccl_max_nchannels=c, nccl_proto=proto
+                ).per_rank_bytes
+                / MiB
+                for c in channels
+            ]
+            dash = "solid" if "," in proto else "dot"
+            fig.add_scatter(x=list(channels), y=y, name=f"{b} MiB, {proto}", line={"dash": dash})
+    fig.update_layout(
+        title="NCCL buffers per rank (model): channels x (NCCL_BUFFSIZE + LL + LL128 buffers)",
+        xaxis={"title": "channels", "type": "log", "tickvals": list(channels)},
+        yaxis={"title": "MiB per rank", "type": "log"},
+        height=420,
+    )
+    return fig
+
+
+def sim_budget(model: str, gpu: str, tensor_parallel_size: int, **engine_args: Any):
+    """The simulated engine's memory budget (``MemoryBudget``; buffers from the ``nccl_*`` arguments)."""
+    from workbench.catalog import MODELS
+    from workbench.config import EngineConfig
+    from workbench.sim import SimEngine, SimSpec
+
+    args = {"max_model_len": 4096, "max_num_seqs": 256} | engine_args
+    eng = SimEngine(
+        EngineConfig(**args), SimSpec(MODELS[model], sim_hardware(gpu, _own_link(gpu)), tensor_parallel_size)
+    )
+    return eng.memory
+
+
+def kv_cost_rows(
+    model: str = "llama-2-70b",
+    gpu: str = "A100-80GB",
+    sizes: Sequence[int] = (4, 8),
+    configs: dict[str, dict[str, Any]] | None = None,
+    block_size: int = 16,
+    seq_len: int = 4096,
+) -> list[dict[str, Any]]:
+    """What each buffer configuration costs in KV blocks and sequences, per rank.
+
+    ``num_blocks`` is the simulated engine's budget with the buffers (:func:`sim_budget`);
+    ``blocks_without`` is ``workbench kv-calc``'s with the same activation reserve and no buffers;
+    ``kv_calc_agrees``: kv-calc with the buffers added to the reserve gives the engine's count.
+    ``max_seqs`` / ``max_seqs_without``: whole ``seq_len`` sequences the pool holds."""
+    from workbench.kvcalc import kv_calc
+
+    configs = configs or BUFFER_CONFIGS
+    rows = []
+    for tp in sizes:
+        for name, cfg in configs.items():
+            m = sim_budget(model, gpu, tp, block_size=block_size, **cfg)
+            common = dict(gpu=gpu, tensor_parallel_size=tp, block_size=block_size, seq_len=seq_len)
+            without = kv_calc(model, activation_reserve=m.activation_bytes, **common)
+            check = kv_calc(model, activation_reserve=m.activation_bytes + m.comm_buffer_bytes, **common)
+            per_seq = math.ceil(seq_len / block_size)
+            rows.append(
+                {
+                    "config": name,
+                    "tensor_parallel_size": tp,
+                    "gpu": gpu,
+                    "comm_buffer_bytes": m.comm_buffer_bytes,
+                    "block_bytes": m.block_bytes,
+                    "num_blocks": m.num_blocks,
+                    "blocks_without": without.num_blocks,
+                    "blocks_lost": without.num_blocks - m.num_blocks,
+                    "max_seqs": m.num_blocks // per_seq,
+                    "max_seqs_without": without.max_sequences,
+                    "kv_calc_agrees": check.num_blocks == m.num_blocks,
+                }
+            )
+    return rows
+
+
+def print_kv_cost(rows: Sequence[dict[str, Any]], seq_len: int = 4096) -> None:
+    print(
+        f"{'configuration':<26} {'GPUs':>12} {'block KiB':>9} {'buffers MiB':>11} {'blocks':>7} {'no buffers':>10} {'lost':>5} "
+        f"{'seqs of ' + str(seq_len):>12} {'no buffers':>10} {'kv-calc agrees':>14}"
+    )
+    for r in rows:
+        print(
+            f"{r['config']:<26} {str(r['tensor_parallel_size']) + ' x ' + r['gpu']:>12} "
+            f"{r['block_bytes'] / 1024:>9,.0f} {r['comm_buffer_bytes'] / MiB:>11,.1f} {r['num_blocks']:>7,} {r['blocks_without']:>10,} "
+            f"{r['blocks_lost']:>5,} {r['max_seqs']:>12,} {r['max_seqs_without']:>10,} {str(r['kv_calc_agrees']):>14}"
+        )
+
+
+def long_trace(num_requests: int = 256, seed: int = 0):
+    """Requests long enough that the KV pool binds at TP=4 (prompts 1,500-3,000 tokens, outputs
+    200-400, uniform, seeded, EOS ignored), all arriving at t = 0."""
+    import numpy as np
+
+    from workbench.sim.trace import TraceRequest
+
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(1500, 3000, num_requests)
+    outputs = rng.integers(200, 400, num_requests)
+    return [TraceRequest(0.0, int(p), int(o), False) for p, o in zip(prompts, outputs)]
+
+
+def sim_buffer_grid(
+    model: str = "llama-2-70b",
+    gpus: Sequence[str] = ("A100-80GB", "H100-80GB"),
+    sizes: Sequence[int] = (4, 8),
+    configs: dict[str, dict[str, Any]] | None = None,
+    trace=None,
+    **engine_args: Any,
+) -> list[dict[str, Any]]:
+    """:func:`sim_run_row` for every GPU x size x buffer configuration (``"config"`` names it)."""
+    configs = configs or BUFFER_CONFIGS
+    trace = trace if trace is not None else long_trace()
+    return [
+        {"config": name} | sim_run_row(model, gpu, None, tp, trace, **(engine_args | cfg))
+        for gpu in gpus
+        for tp in sizes
+        for name, cfg in configs.items()
+    ]
+
+
+def buffer_findings(rows: Sequence[dict[str, Any]]) -> None:
+    """Sentences computed from :func:`sim_buffer_grid` rows: per setup, whether the KV pool limited
+    the batch (peak running sequences below the requests and ``max_num_seqs``), and each
+    configuration's blocks, batch, throughput and TPOT against the first (default) configuration."""
+    first = next(iter(dict.fromkeys(r["config"] for r in rows)))
+    setups = dict.fromkeys((r["tensor_parallel_size"], r["gpu"]) for r in rows)
+    for tp, gpu in setups:
+        rs = [r for r in rows if (r["tensor_parallel_size"], r["gpu"]) == (tp, gpu)]
+        base = next(r for r in rs if r["config"] == first)
+        print(
+            f"{tp} x {gpu}: with {first} buffers {base['num_blocks']:,} blocks, peak batch "
+            f"{base['peak_running']} sequences, {base['output_tok_s']:,.0f} tok/s"
+        )
+        for r in rs:
+            if r is base:
+                continue
+            print(
+                f"    {r['config']:<26} {r['num_blocks'] - base['num_blocks']:>+7,} blocks, peak batch "
+                f"{r['peak_running']:>4}, throughput {r['output_tok_s'] / base['output_tok_s']:.3f}x, "
+                f"TPOT p50 {r['tpot_p50_ms'] / base['tpot_p50_ms']:.3f}x"
+            )
+
+
+def sim_buffer_figure(rows: Sequence[dict[str, Any]]) -> go.Figure:
+    """Throughput relative to the default configuration, per GPU setup, one bar per configuration."""
+    fig = go.Figure()
+    setups = list(dict.fromkeys(f"{r['tensor_parallel_size']} x {r['gpu']}" for r in rows))
+    base = {
+        f"{r['tensor_parallel_size']} x {r['gpu']}": r["output_tok_s"]
+        for r in rows
+        if r["config"] == next(iter(dict.fromkeys(x["config"] for x in rows)))
+    }
+    for name in dict.fromkeys(r["config"] for r in rows):
+        rs = {f"{r['tensor_parallel_size']} x {r['gpu']}": r for r in rows if r["config"] == name}
+        fig.add_bar(
+            x=setups,
+            y=[rs[s]["output_tok_s"] / base[s] for s in setups],
+            name=name,
+            customdata=[[rs[s]["output_tok_s"], rs[s]["num_blocks"]] for s in setups],
+            hovertemplate="%{y:.3f}x: %{customdata[0]:,.0f} tok/s, %{customdata[1]:,} blocks",
+        )
+    fig.update_layout(
+        barmode="group",
+        title="Simulated throughput vs the default buffers (long requests: the KV pool binds at TP=4)",
+        yaxis={"title": "output tokens/s, relative to the default", "range": [0.85, 1.02]},
+        height=400,
+    )
+    return fig
+
+
+def measured_buffer_lines(tensor_parallel_size: int | None = None, **nccl_args: Any) -> list[str]:
+    """Where a GPU is present: the NCCL buffer memory a real engine measures, beside the model's.
+
+    Builds a real engine on CUDA with worker processes and NCCL (``tensor_parallel_size`` = the
+    number of GPUs that split the bundled model, else a one-rank NCCL group:
+    ``distributed_executor_backend="mp"``); its ``MemoryBudget.comm_buffer_bytes`` is measured
+    (free device memory before and after the group's first collectives,
+    :mod:`workbench.executor.tensor_parallel`). Without CUDA: one line saying so.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return [
+            "no CUDA device on this machine: the measured NCCL buffers need GPUs; the figures above are the model's"
+        ]
+    from workbench.engine import LLM
+    from workbench.executor.tensor_parallel import modelled_comm_buffer_bytes
+
+    n = torch.cuda.device_count()
+    tp = tensor_parallel_size or (3 if n >= 3 else 1)
+    llm = LLM(
+        device="cuda",
+        dtype="float16",
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+        **nccl_args,
+    )
+    try:
+        eng = llm.llm_engine
+        measured = eng.memory.comm_buffer_bytes
+        source = eng._tp.comm_buffer_source if eng._tp is not None else "none"
+        modelled = modelled_comm_buffer_bytes(eng.config, tp)
+        return [
+            f"{n} CUDA device(s); a {tp}-rank NCCL group ({torch.cuda.get_device_name(0)})",
+            f"measured per rank: {measured / MiB:,.1f} MiB ({source}); the model: {modelled / MiB:,.1f} MiB",
+        ]
+    finally:
+        llm.shutdown()
+
+
+# ====================================================================== panels
+class BufferPanel(_Panel):
+    """NCCL buffer tuning: sliders ``nccl_buffsize`` (MiB), ``nccl_min_nchannels``,
+    ``nccl_max_nchannels``, a ``nccl_proto`` and ``tensor_parallel_size`` / ``gpu`` choice. Each
+    Run recomputes the budget (buffers, KV blocks with and without them) and starts a simulator
+    run on :func:`long_trace`; the result is a :func:`sim_run_row` plus the budget figures.
+
+    Raises:
+        ImportError: ipywidgets / anywidget missing.
+    """
+
+    def __init__(
+        self,
+        model: str = "llama-2-70b",
+        gpu: str = "A100-80GB",
+        tensor_parallel_size: int = 4,
+        nccl_buffsize_mib: int = 4,
+        nccl_min_nchannels: int = 2,
+        nccl_max_nchannels: int = 2,
+        nccl_proto: str = "LL,LL128,Simple",
+        num_requests: int = 128,
+    ):
+        from workbench.viz.live import _require_widgets
+
+        w = _require_widgets()
+        st = {"description_width": "initial"}
+        controls = {
+            "nccl_buffsize_mib": w.IntSlider(
+                min=1, max=128, value=nccl_buffsize_mib, description="nccl_buffsize (MiB)", style=st
+            ),
+            "nccl_proto": w.Dropdown(
+                options=["LL,LL128,Simple", "LL,Simple", "Simple", "LL"],
+                value=nccl_proto,
+                description="nccl_proto",
+                style=st,
+            ),
+            "nccl_min_nchannels": w.IntSlider(
+                min=1, max=64, value=nccl_min_nchannels, description="nccl_min_nchannels", style=st
+            ),
+            "nccl_max_nchannels": w.IntSlider(
+                min=1, max=64, value=nccl_max_nchannels, description="nccl_max_nchannels", style=st
+            ),
+            "tensor_parallel_size": w.Dropdown(
+                options=[2, 4, 8], value=tensor_parallel_size, description="tensor_parallel_size", style=st
+            ),
+            "gpu": w.Dropdown(
+                options=["A100-80GB", "H100-80GB", "H200", "A100-40GB"], value=gpu, description="gpu", style=st
+            ),
+            "num_requests": w.IntSlider(
+                min=16, max=512, step=16, value=num_requests, description="num_requests", style=st
+            ),
+        }
+        self.model = model
+        self.figure = go.FigureWidget()
+        self.figure.add_bar(x=[], y=[], name="KV blocks per GPU")
+        self.figure.add_scatter(x=[], y=[], name="output tok/s", yaxis="y2", mode="markers", marker={"size": 12})
+        self.figure.update_layout(
+            title=f"{model}: buffers, KV blocks and simulated throughput",
+            yaxis={"title": "KV blocks per GPU"},
+            yaxis2={"title": "output tokens/s", "overlaying": "y", "side": "right"},
+            height=360,
+        )
+        self._build(controls, self.figure)
+
+    @staticmethod
+    def engine_args(values: dict[str, Any]) -> dict[str, Any]:
+        """The panel's values as engine arguments (``nccl_buffsize`` in bytes).
+
+        Raises:
+            ValueError: ``nccl_buffsize_mib`` is not a whole number of MiB >= 1.
+        """
+        mib = values["nccl_buffsize_mib"]
+        if isinstance(mib, bool) or not isinstance(mib, int) or mib < 1:
+            raise ValueError(f"nccl_buffsize_mib={mib!r} must be a whole number of MiB >= 1, e.g. 4 (NCCL's default)")
+        return {
+            "nccl_buffsize": mib * MiB,
+            "nccl_proto": values["nccl_proto"],
+            "nccl_min_nchannels": values["nccl_min_nchannels"],
+            "nccl_max_nchannels": values["nccl_max_nchannels"],
+        }
+
+    def _run(self, values):
+        args = self.engine_args(values)
+        tp = values["tensor_parallel_size"]
+        from workbench.config import EngineConfig
+
+        EngineConfig(**args).validate()  # min > max and the like: named before anything runs
+        cost = kv_cost_rows(self.model, values["gpu"], (tp,), {"panel": args})[0]
+        row = sim_run_row(self.model, values["gpu"], None, tp, long_trace(values["num_requests"]), **args)
+        row |= {k: cost[k] for k in ("blocks_without", "blocks_lost", "max_seqs", "max_seqs_without")}
+        label = (
+            f"{tp} x {values['gpu']}: {values['nccl_buffsize_mib']} MiB, "
+            f"{values['nccl_min_nchannels']}-{values['nccl_max_nchannels']} ch, {values['nccl_proto']}"
+        )
+        with self.figure.batch_update():
+            bar, dots = self.figure.data
+            bar.x, bar.y = list(bar.x) + [label], list(bar.y) + [row["num_blocks"]]
+            dots.x, dots.y = list(dots.x) + [label], list(dots.y) + [row["output_tok_s"]]
+        return row
+
+    def _describe(self, values, row) -> str:
+        return (
+            f"buffers {row['comm_buffer_bytes'] / MiB:,.1f} MiB per rank -> {row['num_blocks']:,} KV blocks "
+            f"({row['blocks_lost']:,} fewer than without buffers; {row['max_seqs']:,} sequences of 4,096 tokens); "
+            f"simulated {row['output_tok_s']:,.0f} tok/s, TPOT p50 {row['tpot_p50_ms']:.1f} ms"
+        )
+
+
+def buffer_exercise(
+    model: str = "llama-2-70b",
+    gpu: str = "H100-80GB",
+    tensor_parallel_size: int = 4,
+    nccl_buffsize: int = 8 * MiB,
+    nchannels: int = 24,
+    nccl_proto: str = "LL,LL128,Simple",
+    block_size: int = 16,
+) -> dict[str, Any]:
+    """The context of exercise 10.1: ``config`` (the buffer configuration, ``nchannels`` forced by
+    ``nccl_min_nchannels = nccl_max_nchannels``), ``budget`` (kv-calc's budget without buffers:
+    ``kv_budget_bytes``, ``block_bytes``, ``num_blocks``) and ``engine_num_blocks`` (the simulated
+    engine's pool with those buffers)."""
+    from workbench.kvcalc import kv_calc
+
+    m = sim_budget(
+        model,
+        gpu,
+        tensor_parallel_size,
+        block_size=block_size,
+        nccl_buffsize=nccl_buffsize,
+        nccl_min_nchannels=nchannels,
+        nccl_max_nchannels=nchannels,
+        nccl_proto=nccl_proto,
+    )
+    r = kv_calc(
+        model,
+        gpu=gpu,
+        tensor_parallel_size=tensor_parallel_size,
+        block_size=block_size,
+        activation_reserve=m.activation_bytes,
+    )
+    return {
+        "config": {
+            "model": model,
+            "gpu": gpu,
+            "tensor_parallel_size": tensor_parallel_size,
+            "nccl_buffsize": nccl_buffsize,
+            "nchannels": nchannels,
+            "nccl_proto": nccl_proto,
+            "block_size": block_size,
+        },
+        "budget": {"kv_budget_bytes": r.kv_budget_bytes, "block_bytes": r.block_bytes, "num_blocks": r.num_blocks},
+        "engine_num_blocks": m.num_blocks,
+    }
