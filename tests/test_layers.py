@@ -8,16 +8,12 @@ packages is not an edge: ``workbench/__init__.py`` is the public facade (it impo
 and importing any ``workbench.x`` runs it.
 
 Two checks: the graph has no cycle, and a module never imports one of a higher layer (:data:`LAYERS`).
-Known violations in code being refactored elsewhere are listed with strict ``xfail``: once one is
-fixed, its entry fails as XPASS and must be removed from the list.
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("workbench", "kernels")
@@ -27,10 +23,10 @@ PACKAGES = ("workbench", "kernels")
 #: a module may import its own layer and below.
 LAYERS: dict[int, tuple[str, ...]] = {
     # plain data and the KV managers: the engine arguments, requests, sampling parameters
-    0: ("config", "request", "sampling", "kv", "units"),
+    0: ("config", "request", "sampling", "kv", "units", "comm", "inputs", "outputs"),
     # what the model and the engine core build on: attention backends and kernels, communication
     # counters, the model/GPU catalogue, step statistics, the scheduler (over kv/)
-    1: ("attention", "kernels", "comm", "catalog", "metrics", "scheduler"),
+    1: ("attention", "kernels", "catalog", "metrics", "scheduler"),
     # the model (uses attention, comm, catalog) and the memory budget (uses attention)
     2: ("model", "memory"),
     # the KV calculator (a model's architecture, its memory budget)
@@ -40,29 +36,8 @@ LAYERS: dict[int, tuple[str, ...]] = {
     # the engine: scheduler + KV manager + executor + metrics
     5: ("engine",),
     # everything built on the engine, and the facade
-    6: ("server", "sim", "bench", "viz", "labs", "cli", "kvcalc_cli", "__init__"),
+    6: ("server", "sim", "bench", "viz", "labs", "cli", "cli_options", "kvcalc_cli", "entrypoints", "__init__"),
 }
-
-#: ``(importer, imported)`` edges that close a cycle today. Owned by the seams refactor, removed at merge.
-KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    ("workbench.sim.cli", "workbench.cli"): "sim/cli.py imports cli.py, which imports sim/cli.py back",
-    ("workbench.executor.tensor_parallel", "workbench"): (
-        "the torchrun entry point (executor/tensor_parallel.py main) imports the facade, which imports the "
-        "engine, which imports the executor"
-    ),
-}
-
-#: ``(importer, imported)`` edges that point up a layer today. Owned by the seams refactor, removed at merge.
-KNOWN_LAYER_VIOLATIONS: dict[tuple[str, str], str] = {
-    (
-        "workbench.config",
-        "workbench.attention.backend",
-    ): "config.validate checks attention_backend with attention.backend.check_backend",
-    ("workbench.config", "workbench.comm"): "config.validate reads NCCL_MAX_CHANNELS and parse_nccl_proto from comm",
-    ("workbench.config", "workbench.scheduler"): "config.validate reads BATCHING_POLICIES from scheduler",
-    ("workbench.executor.tensor_parallel", "workbench"): "the torchrun entry point builds an LLM",
-}
-
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -168,8 +143,7 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_cycles():
-    graph = {m: {t for t in ts if (m, t) not in KNOWN_CYCLE_EDGES} for m, ts in GRAPH.items()}
-    cycles = _cycles(graph)
+    cycles = _cycles(GRAPH)
     assert not cycles, "import cycles (each: modules that import one another, directly or not):\n" + "\n".join(
         "  " + " <-> ".join(c) for c in cycles
     )
@@ -180,7 +154,7 @@ def test_layers_point_down():
         f"  {m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
         for m, ts in sorted(GRAPH.items())
         for t in sorted(ts)
-        if layer_of(t) > layer_of(m) and (m, t) not in KNOWN_LAYER_VIOLATIONS
+        if layer_of(t) > layer_of(m)
     ]
     assert not bad, "a lower layer imports a higher one (see LAYERS):\n" + "\n".join(bad)
 
@@ -190,29 +164,3 @@ def test_a_cycle_and_an_upward_import_are_caught():
     assert _cycles({"a": {"b"}, "b": set()}) == []
     assert layer_of("workbench.model.llama") > layer_of("workbench.config")
     assert layer_of("workbench.labs.tensor_parallel") > layer_of("workbench.engine")
-
-
-# owned by the seams refactor, removed at merge: each entry XPASSes (and so fails) once it is fixed
-@pytest.mark.parametrize(
-    "edge",
-    [
-        pytest.param(e, marks=pytest.mark.xfail(strict=True, reason=why), id="->".join(e))
-        for e, why in KNOWN_CYCLE_EDGES.items()
-    ],
-)
-def test_known_cycle_is_gone(edge):
-    importer, imported = edge
-    assert not any(importer in c and imported in c for c in _cycles(GRAPH))
-
-
-# owned by the seams refactor, removed at merge: each entry XPASSes (and so fails) once it is fixed
-@pytest.mark.parametrize(
-    "edge",
-    [
-        pytest.param(e, marks=pytest.mark.xfail(strict=True, reason=why), id="->".join(e))
-        for e, why in KNOWN_LAYER_VIOLATIONS.items()
-    ],
-)
-def test_known_upward_import_is_gone(edge):
-    importer, imported = edge
-    assert imported not in GRAPH[importer] or layer_of(imported) <= layer_of(importer)

@@ -381,12 +381,12 @@ def test_cli_flags_reach_the_engine(tiny_model):
 
 
 def test_torchrun_launch(tiny_model, tmp_path):
-    """``torchrun --nproc-per-node 2 -m workbench.executor.tensor_parallel``: rank 0 builds the engine,
+    """``torchrun --nproc-per-node 2 -m workbench.entrypoints.torchrun``: rank 0 builds the engine,
     rank 1 serves it; the tokens equal the one-process engine's."""
     ref = LLM(str(tiny_model), **TINY).generate(PROMPTS[:2], GREEDY)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "workbench.executor.tensor_parallel", "--model", str(tiny_model), "--max-tokens", "16",
+        "-m", "workbench.entrypoints.torchrun", "--model", str(tiny_model), "--max-tokens", "16",
         "--prompt-ids", "1,5,9,23,77", "--prompt-ids", "1,100,3",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -12,7 +12,7 @@ Processes and groups:
 * launched by the engine: ``torch.multiprocessing`` with the ``spawn`` start method (a
   fresh interpreter per worker; the calling script needs the usual
   ``if __name__ == "__main__":`` guard), rendezvous over TCP on a free local port;
-* launched by ``torchrun``: every process runs ``python -m workbench.executor.tensor_parallel``
+* launched by ``torchrun``: every process runs ``python -m workbench.entrypoints.torchrun``
   (see :func:`main`); rank 0 builds the engine, the others serve it (``RANK`` /
   ``WORLD_SIZE`` / ``MASTER_ADDR`` from the environment);
 * the compute group uses gloo on CPU and NCCL on CUDA, with ``distributed_timeout_s`` on every
@@ -44,7 +44,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import signal
 import socket
 import sys
 import threading
@@ -656,57 +655,3 @@ def serve() -> None:
         _serve(rank, n, ctrl)
     finally:
         dist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``torchrun --nproc-per-node N -m workbench.executor.tensor_parallel [--model M] [--device D]
-    [--max-tokens T] [--prompt P ...] [--prompt-ids 1,5,9 ...]``: rank 0 runs the engine with ``tensor_parallel_size=N``
-    on the prompts and prints each output's token ids and text; the other ranks serve it."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m workbench.executor.tensor_parallel", description=main.__doc__)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--num-gpu-blocks-override", type=int, default=64)
-    ap.add_argument("--distributed-timeout-s", type=float, default=120.0)
-    ap.add_argument("--prompt", action="append", default=None, help="a text prompt (repeatable)")
-    ap.add_argument("--prompt-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
-    args = ap.parse_args(argv)
-    launched = _torchrun_env()
-    if launched is None:
-        raise SystemExit("run this under torchrun (it reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)")
-    rank, n = launched
-    os.environ.setdefault("WORKBENCH_TP_BACKEND", "nccl" if args.device.startswith("cuda") else "gloo")
-    os.environ.setdefault("WORKBENCH_TP_TIMEOUT", str(args.distributed_timeout_s))
-    if rank != 0:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-        serve()
-        return
-    from workbench import LLM, SamplingParams
-
-    kw = {} if args.model is None else {"model": args.model}
-    llm = LLM(
-        tensor_parallel_size=n,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        distributed_timeout_s=args.distributed_timeout_s,
-        **kw,
-    )
-    try:
-        prompts = list(args.prompt or []) + [[int(t) for t in p.split(",")] for p in args.prompt_ids or []]
-        prompts = prompts or ["The capital of France is"]
-        outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
-        for o in outs:
-            print(f"{o.outputs[0].token_ids}\t{o.outputs[0].text!r}", flush=True)
-    finally:
-        llm.shutdown()
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # torchrun stops ranks with SIGTERM
-    main()

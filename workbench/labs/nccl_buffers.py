@@ -311,7 +311,7 @@ def measured_buffer_lines(tensor_parallel_size: int | None = None, **nccl_args: 
         return [
             "no CUDA device on this machine: the measured NCCL buffers need GPUs; the figures above are the model's"
         ]
-    from workbench.engine import LLM
+    from workbench.entrypoints.llm import LLM
     from workbench.executor.tensor_parallel import modelled_comm_buffer_bytes
 
     n = torch.cuda.device_count()
@@ -328,7 +328,7 @@ def measured_buffer_lines(tensor_parallel_size: int | None = None, **nccl_args: 
     try:
         eng = llm.llm_engine
         measured = eng.memory.comm_buffer_bytes
-        source = eng._tp.comm_buffer_source if eng._tp is not None else "none"
+        source = getattr(eng.executor, "comm_buffer_source", "none")
         modelled = modelled_comm_buffer_bytes(eng.config, tp)
         return [
             f"{n} CUDA device(s); a {tp}-rank NCCL group ({torch.cuda.get_device_name(0)})",

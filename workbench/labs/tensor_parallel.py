@@ -92,7 +92,7 @@ def tp_engine(tensor_parallel_size: int, **engine_args: Any):
     Raises:
         ValueError: a size that does not split the model (names the valid sizes), bad arguments.
     """
-    from workbench.engine import LLM
+    from workbench.entrypoints.llm import LLM
 
     args = LAB_ENGINE_DEFAULTS | engine_args | {"tensor_parallel_size": tensor_parallel_size}
     with _ENGINES_LOCK:
