@@ -33,12 +33,12 @@ def test_bad_engine_arguments(kwargs, words):
 
 
 def test_missing_model_path_fails_before_loading(tmp_path, monkeypatch):
-    import workbench.engine as engine
+    import workbench.executor.local as executor_local
 
     def boom(*a, **k):  # the model must not start loading
         raise AssertionError("load_model was called")
 
-    monkeypatch.setattr(engine, "load_model", boom)
+    monkeypatch.setattr(executor_local, "load_model", boom)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(model=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="block_size=3"):

@@ -8,10 +8,41 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.fixtures.lowest_first import LowestFirstKVManager
 from workbench.kv import BlockPool, KVCacheManager
+from workbench.kv.contiguous import ContiguousKVCacheManager
+from workbench.metrics.accounting import pool_usage
 from workbench.request import Request, RequestStatus
 from workbench.sampling import SamplingParams
 from workbench.scheduler import Scheduler
+
+#: the KV managers the scheduler properties must hold for: paged, a contiguous baseline (declares
+#: each request's sizes before admission), and a plug-in written against the interface alone
+MANAGERS = {
+    "paged": lambda num_blocks, block_size: KVCacheManager(num_blocks, block_size),
+    "orca-max": lambda num_blocks, block_size: ContiguousKVCacheManager(num_blocks, block_size, "orca-max"),
+    "lowest-first": LowestFirstKVManager,
+}
+CATEGORIES = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "free")
+
+
+def check_step(kv, sched, num_blocks, bounds):
+    """The per-step invariants every manager keeps: its own, blocks held + free == pool, and the
+    accounting's five-way split summing to the pool with no negative category."""
+    kv.check_invariants()
+    held = sum(len(t) for t in kv.block_tables.values())
+    assert held + kv.num_free_blocks == num_blocks
+    need = kv.reservation_blocks(sched.waiting[0].request_id) if sched.waiting else 0
+    computed = {r.request_id: r.num_computed_tokens for r in sched.running}
+    usages = []
+    for bound in (bounds, None):  # the provisional split, and every unwritten slot as internal
+        u = pool_usage(kv, computed, bound, need)
+        parts = [getattr(u, c) for c in CATEGORIES]
+        assert min(parts) >= 0, u
+        assert sum(parts) == u.pool == num_blocks * kv.block_size, u
+        usages.append(u)
+    assert usages[1].reservation == 0
+    return usages[0]
 
 
 def test_block_pool_allocate_free_and_double_free():
@@ -33,7 +64,7 @@ def test_slot_mapping_and_internal_fragmentation():
     table = kv.get_block_table("a")
     assert len(table) == 2
     assert kv.slot_mapping("a", 0, 6) == [table[0] * 4 + i for i in range(4)] + [table[1] * 4, table[1] * 4 + 1]
-    u = kv.usage({"a": 6})
+    u = pool_usage(kv, {"a": 6})
     assert (u.token_states, u.internal_fragmentation, u.free) == (6, 2, 24)
     assert u.token_states + u.reservation + u.internal_fragmentation + u.external_fragmentation + u.free == u.pool
     assert not kv.allocate_slots("b", 40)  # needs 10 blocks: refused, nothing allocated
@@ -42,10 +73,12 @@ def test_slot_mapping_and_internal_fragmentation():
     assert kv.num_free_blocks == 8
 
 
-def _simulate(prompt_lens, max_tokens, num_blocks, block_size, max_num_seqs, budget, chunked, eos_every, seed):
-    """Drive the scheduler like the engine does, with a fake model; return (requests, steps)."""
+def _simulate(
+    prompt_lens, max_tokens, num_blocks, block_size, max_num_seqs, budget, chunked, eos_every, seed, manager="paged"
+):
+    """Drive the scheduler like the engine does, with a fake model; return (requests, steps, kv)."""
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = MANAGERS[manager](num_blocks, block_size)
     sched = Scheduler(kv, max_num_seqs, budget, enable_chunked_prefill=chunked)
     reqs = []
     for i, (p, m) in enumerate(zip(prompt_lens, max_tokens)):
@@ -58,7 +91,11 @@ def _simulate(prompt_lens, max_tokens, num_blocks, block_size, max_num_seqs, bud
             max_total_len=num_blocks * block_size,
         )
         reqs.append(r)
+        # as the engine does: the manager sees the request's sizes before it is queued (contiguous
+        # managers size their reservation from them; on-demand managers ignore them)
+        assert kv.declare(r.request_id, p, m, num_blocks * block_size) is None
         sched.add_request(r)
+    bounds = {r.request_id: r.num_prompt_tokens + r.max_output_tokens - 1 for r in reqs}
     steps = 0
     bound = sum(p + m for p, m in zip(prompt_lens, max_tokens)) * 4 + 100
     while sched.has_unfinished():
@@ -72,19 +109,18 @@ def _simulate(prompt_lens, max_tokens, num_blocks, block_size, max_num_seqs, bud
             if s.samples
         }
         sched.update(out, sampled, now=float(steps))
-        kv.check_invariants()
-        held = sum(len(t) for t in kv.block_tables.values())
-        assert held + kv.num_free_blocks == num_blocks
-        u = kv.usage({r.request_id: r.num_computed_tokens for r in sched.running})
-        assert u.token_states + u.internal_fragmentation + u.free == u.pool
-        for r in sched.running:
-            assert u.internal_fragmentation >= 0
-            assert len(kv.get_block_table(r.request_id)) * block_size - r.num_computed_tokens < block_size
+        u = check_step(kv, sched, num_blocks, bounds)
+        if manager != "orca-max":  # on demand: any block serves, less than a block unwritten per holder
+            assert u.external_fragmentation == 0
+            assert u.reservation + u.internal_fragmentation < block_size * max(1, len(sched.running))
+            for r in sched.running:
+                assert len(kv.get_block_table(r.request_id)) * block_size - r.num_computed_tokens < block_size
         steps += 1
         assert steps < bound, "requests did not finish in bounded steps"
     return reqs, steps, kv
 
 
+@pytest.mark.parametrize("manager", list(MANAGERS))
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),
@@ -94,7 +130,9 @@ def _simulate(prompt_lens, max_tokens, num_blocks, block_size, max_num_seqs, bud
     eos_every=st.sampled_from([0, 3, 20]),
     seed=st.integers(0, 1000),
 )
-def test_scheduler_random_workloads_never_leak_or_deadlock(data, block_size, max_num_seqs, chunked, eos_every, seed):
+def test_scheduler_random_workloads_never_leak_or_deadlock(
+    manager, data, block_size, max_num_seqs, chunked, eos_every, seed
+):
     n = data.draw(st.integers(1, 12))
     prompt_lens = data.draw(st.lists(st.integers(1, 60), min_size=n, max_size=n))
     max_tokens = data.draw(st.lists(st.integers(1, 30), min_size=n, max_size=n))
@@ -103,7 +141,7 @@ def test_scheduler_random_workloads_never_leak_or_deadlock(data, block_size, max
     num_blocks = -(-longest // block_size) + data.draw(st.integers(0, 20))
     budget = data.draw(st.integers(max_num_seqs, max(max_num_seqs, 80)))
     reqs, _, kv = _simulate(
-        prompt_lens, max_tokens, num_blocks, block_size, max_num_seqs, budget, chunked, eos_every, seed
+        prompt_lens, max_tokens, num_blocks, block_size, max_num_seqs, budget, chunked, eos_every, seed, manager
     )
     assert all(r.is_finished for r in reqs)
     assert kv.num_free_blocks == num_blocks and not kv.block_tables
@@ -114,11 +152,13 @@ def test_scheduler_random_workloads_never_leak_or_deadlock(data, block_size, max
             assert r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids[-1] == 0
 
 
-def test_tiny_pool_preempts_by_recompute_and_finishes():
-    reqs, _, _ = _simulate(
-        [30] * 6, [40] * 6, num_blocks=12, block_size=8, max_num_seqs=6, budget=64, chunked=True, eos_every=0, seed=0
+@pytest.mark.parametrize("manager", ["paged", "lowest-first"])
+def test_tiny_pool_preempts_by_recompute_and_finishes(manager):
+    reqs, _, kv = _simulate(
+        [30] * 6, [40] * 6, 12, 8, max_num_seqs=6, budget=64, chunked=True, eos_every=0, seed=0, manager=manager
     )
     assert sum(r.num_preemptions for r in reqs) > 0
+    assert kv.num_free_blocks == 12 and not kv.block_tables
     assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 40 for r in reqs)
 
 

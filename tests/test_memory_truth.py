@@ -15,6 +15,7 @@ from workbench.kv.contiguous import ContiguousKVCacheManager, next_pow2, reserva
 from workbench.kv.manager import KVCacheManager
 from workbench.memory import LiveTensorBytes, activation_peak_bytes, plan_memory, profile_activation_peak
 from workbench.metrics import JsonlSink, Recorder
+from workbench.metrics.accounting import block_map, pool_usage
 
 ALLOCATORS = ["paged", "static", "orca-max", "orca-pow2", "orca-oracle"]
 CATEGORIES = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "free")
@@ -86,7 +87,7 @@ def test_five_categories_sum_to_the_pool_every_step(engines, allocator, trace, s
     else:
         assert [len(o.outputs[0].token_ids) for o in outs] == max_tokens
     # every request released its blocks and was settled
-    assert not llm.llm_engine._holding and not llm.llm_engine.kv.block_tables
+    assert not llm.llm_engine.accounting.holding and not llm.llm_engine.kv.block_tables
 
 
 def test_settled_split_is_exact_for_one_request(engines):
@@ -129,13 +130,14 @@ def test_paged_internal_fragmentation_is_the_last_block_tail(engines):
 def test_first_fit_leaves_a_hole_hand_count_manager():
     kv = ContiguousKVCacheManager(10, 4, "orca-max")
     for rid, tokens in (("A", 12), ("B", 8), ("C", 16), ("D", 16)):
-        kv.declare(rid, tokens)
+        # orca-max reserves prompt + max_tokens (capped by max_model_len): `tokens` slots
+        assert kv.declare(rid, tokens - 1, 1, max_model_len=40) is None
     assert kv.allocate_slots("A", 11) and kv.allocate_slots("B", 4) and kv.allocate_slots("C", 12)
     assert kv.block_tables["C"] == [5, 6, 7, 8]
     kv.free("A")
-    assert kv.holes() == [(0, 3), (9, 1)]
+    assert kv.free_runs() == [(0, 3), (9, 1)]
     assert not kv.allocate_slots("D", 12)  # 4 blocks free, but no run of 4
-    u = kv.usage({"B": 4, "C": 12}, waiting_need_blocks=kv.reservation_blocks("D"))
+    u = pool_usage(kv, {"B": 4, "C": 12}, waiting_need_blocks=kv.reservation_blocks("D"))
     assert u.external_fragmentation == (3 + 1) * 4
     assert u.free == 0
     assert u.token_states == 16 and u.reservation + u.internal_fragmentation == (2 + 4) * 4 - 16
@@ -353,15 +355,16 @@ def test_plan_memory_on_cpu_without_nvidia_does_not_warn(recwarn):
 def test_block_map_matches_the_usage():
     kv = KVCacheManager(8, 4)
     assert kv.allocate_slots("a", 6) and kv.allocate_slots("b", 3)
-    snap = kv.block_map({"a": 6, "b": 3}, step=5)
+    snap = block_map(kv, {"a": 6, "b": 3}, step=5)
     assert snap["step"] == 5 and len(snap["owner"]) == 8
-    assert sum(snap["filled"]) == kv.usage({"a": 6, "b": 3}).token_states == 9
+    assert sum(snap["filled"]) == pool_usage(kv, {"a": 6, "b": 3}).token_states == 9
     assert snap["state"].count("used") == 3 and snap["owner_ids"] == ["a", "b"]
     c = ContiguousKVCacheManager(6, 4, "static")
-    c.declare("x", 8)
-    c.declare("y", 16)
+    c.declare("x", 2, 4, max_model_len=8)  # static reserves max_model_len: 8 slots
+    c.declare("y", 2, 4, max_model_len=16)  # 16 slots
+    assert c.reservation_blocks("x") == 2 and c.reservation_blocks("y") == 4
     assert c.allocate_slots("x", 2)
-    m = c.block_map({"x": 2}, waiting_need_blocks=c.reservation_blocks("y") + 1)
+    m = block_map(c, {"x": 2}, waiting_need_blocks=c.reservation_blocks("y") + 1)
     assert m["state"] == ["used", "used", "external", "external", "external", "external"]
     assert m["filled"][:2] == [2, 0]
 

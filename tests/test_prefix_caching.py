@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from workbench import LLM, SamplingParams
 from workbench.kv import KVCacheManager
 from workbench.kv.manager import block_hash
+from workbench.metrics.accounting import pool_usage
 from workbench.request import Request
 from workbench.sampling import SamplingParams as SP
 from workbench.scheduler import Scheduler
@@ -40,7 +41,7 @@ def test_hit_reuses_blocks_and_leaves_the_last_token():
     assert kv.allocate_slots("b", 13, hits)
     assert kv.get_block_table("b")[:3] == kv.get_block_table("a")
     assert [kv.pool.ref_cnt[b] for b in hits] == [2, 2, 2]
-    u = kv.usage({"a": 12, "b": 12})  # shared blocks count once
+    u = pool_usage(kv, {"a": 12, "b": 12})  # shared blocks count once
     assert u.token_states == 12
     kv.check_invariants()
 
@@ -93,7 +94,7 @@ def test_scheduler_with_prefix_caching_never_leaks(data, block_size, seed):
             assert s.start + s.num_new_tokens <= s.request.num_tokens and s.num_new_tokens >= 1
         sched.update(out, {s.request.request_id: rng.randrange(3, 9) for s in out.scheduled if s.samples}, 0.0)
         kv.check_invariants()
-        u = kv.usage({r.request_id: r.num_computed_tokens for r in sched.running})
+        u = pool_usage(kv, {r.request_id: r.num_computed_tokens for r in sched.running})
         assert u.token_states + u.internal_fragmentation + u.free == u.pool and u.internal_fragmentation >= 0
         steps += 1
         assert steps < 2000

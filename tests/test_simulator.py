@@ -377,7 +377,7 @@ def test_step_records_keep_only_the_steps_settling_can_still_correct():
     longest = 0
     while eng.has_unfinished_requests():
         eng.step()
-        longest = max([longest] + [len(e[2]) for e in eng._holding.values()])
+        longest = max([longest] + [len(e[2]) for e in eng.accounting.holding.values()])
     assert 0 < longest <= 16 + 1
     steps = eng.recorder.steps
     assert len(steps) >= 300

@@ -61,13 +61,14 @@ sys.modules["triton"] = None  # an import of triton now raises ImportError
 import kernels, kernels.reference, workbench.attention
 from workbench import LLM, SamplingParams
 from workbench.config import EngineConfig
+from workbench.engine import LLMEngine
 assert not kernels.triton_available()
 llm = LLM(model={str(tiny_model)!r}, block_size=4, max_model_len=64)
 assert llm.llm_engine.executor.attn_backend.name == "torch"
 out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
 assert len(out[0].outputs[0].token_ids) == 3
 try:
-    EngineConfig(attention_backend="triton-interpret").validate()
+    LLMEngine(EngineConfig(attention_backend="triton-interpret"))  # refused before the model loads
     raise SystemExit("no error")
 except ValueError as e:
     assert "pip install triton" in str(e)

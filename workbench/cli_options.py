@@ -62,7 +62,7 @@ class _ChoiceOrPlugin(click.Choice):
             return value
         return super().convert(value, param, ctx)
 
-    def get_metavar(self, param, *args) -> str:
+    def get_metavar(self, param, *args, **kwargs) -> str:
         return "[" + "|".join(self.choices) + "|MODULE:CLASS]"
 
 

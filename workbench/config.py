@@ -73,14 +73,16 @@ def is_plugin_name(value) -> bool:
     return isinstance(value, str) and value.count(":") == 1 and all(p.strip() for p in value.split(":"))
 
 
-def arg(default, help: str, *, choices: tuple | None = None, cli: dict | bool = True, **kw):
-    """One engine argument: its default, ``help`` text and allowed ``choices``, kept in the field's metadata.
+def arg(default, help: str, *, choices: tuple | None = None, minimum=None, cli: dict | bool = True, **kw):
+    """One engine argument: its default, ``help`` text, allowed ``choices`` or ``minimum``, kept in the
+    field's metadata (``validate`` checks them).
 
     ``cli`` says how the command line shows it (read by :mod:`workbench.cli_options`): ``True`` (an
     option named after the field; a bool becomes ``--x/--no-x``), ``False`` (no option), or a dict:
     ``{"type": "bytes"}`` (a size such as ``2GiB``), ``{"aliases": ("-tp",)}``.
     """
-    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli}, **kw)
+    meta = {"help": help, "choices": choices, "min": minimum, "cli": cli}
+    return field(default=default, metadata=meta, **kw)
 
 
 @dataclass
@@ -102,31 +104,37 @@ class EngineConfig:
     device_memory: int | None = arg(
         None,
         "CPU only: the memory gpu_memory_utilization applies to (e.g. 2GiB) [default: 2GiB]",
+        minimum=1,
         cli={"type": "bytes"},
     )
-    max_num_seqs: int = arg(64, "most requests in one step (batch)")
+    max_num_seqs: int = arg(64, "most requests in one step (batch)", minimum=1)
     max_num_batched_tokens: int | None = arg(
-        None, "token budget per step (prefill + decode) [default: 2048 with chunked prefill, else max_model_len]"
+        None,
+        "token budget per step (prefill + decode) [default: 2048 with chunked prefill, else max_model_len]",
+        minimum=1,
     )
     max_model_len: int | None = arg(
-        None, "longest sequence, prompt + output, in tokens [default: the model's, capped at 4096]"
+        None, "longest sequence, prompt + output, in tokens [default: the model's, capped at 4096]", minimum=1
     )
     num_gpu_blocks_override: int | None = arg(
-        None, "number of KV blocks, bypassing the memory budget (for experiments)"
+        None, "number of KV blocks, bypassing the memory budget (for experiments)", minimum=1
     )
     enable_chunked_prefill: bool = arg(True, "split long prompts across steps to fit the token budget")
     long_prefill_token_threshold: int = arg(
-        0, "most prompt tokens one request takes per step (0 = no cap beyond the budget)"
+        0, "most prompt tokens one request takes per step (0 = no cap beyond the budget)", minimum=0
     )
     enable_prefix_caching: bool = arg(False, "reuse the KV blocks of identical prompt prefixes")
     scheduling_policy: str = arg("fcfs", "order of admission and of preemption", choices=SCHEDULING_POLICIES)
     preemption_mode: str = arg(
         "recompute", "what happens to a request preempted when KV blocks run out", choices=PREEMPTION_MODES
     )
-    swap_space: float = arg(4.0, "CPU swap pool (GiB) for --preemption-mode swap")
+    swap_space: float = arg(4.0, "CPU swap pool (GiB) for --preemption-mode swap", minimum=0)
     kv_cache_dtype: str = arg("auto", "auto (= --dtype) | float32 | bfloat16 | float16")
     kv_cache_memory_bytes: int | None = arg(
-        None, "size of the KV pool (e.g. 64MiB), bypassing the profiled memory budget", cli={"type": "bytes"}
+        None,
+        "size of the KV pool (e.g. 64MiB), bypassing the profiled memory budget",
+        minimum=1,
+        cli={"type": "bytes"},
     )
     kv_allocator: str = arg(
         "paged",
@@ -141,7 +149,9 @@ class EngineConfig:
         choices=BATCHING_POLICIES,
     )
     block_map_every: int = arg(
-        0, "record a per-block picture of the KV pool every N steps (0 = never), for the report's block map"
+        0,
+        "record a per-block picture of the KV pool every N steps (0 = never), for the report's block map",
+        minimum=0,
     )
     attention_backend: str = arg(
         "auto",
@@ -160,7 +170,10 @@ class EngineConfig:
     )
     distributed_timeout_s: float = arg(120.0, "seconds a collective waits for the other ranks before the engine fails")
     nccl_buffsize: int | None = arg(
-        None, "NCCL_BUFFSIZE for every rank: a size (4MiB, 1048576) [NCCL's default: 4MiB]", cli={"type": "bytes"}
+        None,
+        "NCCL_BUFFSIZE for every rank: a size (4MiB, 1048576) [NCCL's default: 4MiB]",
+        minimum=1,
+        cli={"type": "bytes"},
     )
     nccl_min_nchannels: int | None = arg(None, "NCCL_MIN_NCHANNELS for every rank")
     nccl_max_nchannels: int | None = arg(None, "NCCL_MAX_NCHANNELS for every rank")
@@ -203,43 +216,27 @@ class EngineConfig:
                 f"gpu_memory_utilization={u!r} must be in (0, 1]: it is the share of device "
                 "memory the engine may use; use e.g. 0.9"
             )
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(
-                f"max_num_seqs={self.max_num_seqs!r} must be an integer >= 1 "
-                "(the most requests in one step); use e.g. 64"
-            )
+        for f in fields(self):  # the declared minimums: whole numbers (or numbers) at least that
+            lo, v = f.metadata.get("min"), getattr(self, f.name)
+            if lo is None or (v is None and f.default is None):
+                continue
+            whole = str(f.type).startswith("int")
+            if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or v < lo:
+                kind = "an integer" if whole else "a number"
+                raise ValueError(f"{f.name}={v!r} must be {kind} >= {lo} ({f.metadata['help']})")
         mnbt = self.max_num_batched_tokens
-        if mnbt is not None:
-            if not isinstance(mnbt, int) or mnbt < 1:
-                raise ValueError(f"max_num_batched_tokens={mnbt!r} must be a positive integer (tokens per step)")
-            if mnbt < self.max_num_seqs:
-                raise ValueError(
-                    f"max_num_batched_tokens={mnbt} is smaller than max_num_seqs={self.max_num_seqs}: "
-                    "a step could not give each running request one decode token; raise "
-                    f"max_num_batched_tokens to at least {self.max_num_seqs} or lower max_num_seqs"
-                )
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer (tokens)")
-        if self.device_memory is not None and (not isinstance(self.device_memory, int) or self.device_memory <= 0):
-            raise ValueError(f"device_memory={self.device_memory!r} must be a positive number of bytes, e.g. {2 * GiB}")
-        ngb = self.num_gpu_blocks_override
-        if ngb is not None and (not isinstance(ngb, int) or ngb < 1):
-            raise ValueError(f"num_gpu_blocks_override={ngb!r} must be a positive integer (blocks)")
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+        if mnbt is not None and mnbt < self.max_num_seqs:
             raise ValueError(
-                f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an "
-                "integer >= 0 (0 = no cap)"
+                f"max_num_batched_tokens={mnbt} is smaller than max_num_seqs={self.max_num_seqs}: "
+                "a step could not give each running request one decode token; raise "
+                f"max_num_batched_tokens to at least {self.max_num_seqs} or lower max_num_seqs"
             )
-        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
-            raise ValueError(f"swap_space={self.swap_space!r} must be >= 0 (GiB of CPU memory for swapped blocks)")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError(
                 f"preemption_mode='swap' needs swap_space > 0 (GiB), got swap_space={self.swap_space}; "
                 "give e.g. swap_space=4, or use preemption_mode='recompute'"
             )
-        kvb = self.kv_cache_memory_bytes
-        if kvb is not None and (not isinstance(kvb, int) or isinstance(kvb, bool) or kvb < 1):
-            raise ValueError(f"kv_cache_memory_bytes={kvb!r} must be a positive integer (bytes of the KV pool)")
+        kvb, ngb = self.kv_cache_memory_bytes, self.num_gpu_blocks_override
         if kvb is not None and ngb is not None:
             raise ValueError(
                 f"kv_cache_memory_bytes={kvb} and num_gpu_blocks_override={ngb} both set the KV pool's size; "
@@ -259,8 +256,6 @@ class EngineConfig:
                     f"{' and '.join(clash)} needs kv_allocator='paged' (the paged manager shares and moves blocks; "
                     f"kv_allocator={self.kv_allocator!r} does neither)"
                 )
-        if not isinstance(self.block_map_every, int) or self.block_map_every < 0:
-            raise ValueError(f"block_map_every={self.block_map_every!r} must be an integer >= 0 (steps; 0 = never)")
 
     def _validate_choices(self) -> None:
         for f in fields(self):  # the declared choices (scheduling, preemption, allocator, batching, backends)
@@ -307,9 +302,6 @@ class EngineConfig:
         t = self.distributed_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise ValueError(f"distributed_timeout_s={t!r} must be a positive number of seconds, e.g. 120")
-        b = self.nccl_buffsize
-        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
-            raise ValueError(f"nccl_buffsize={b!r} must be a positive number of bytes (NCCL's default: 4194304)")
         from workbench.comm import NCCL_MAX_CHANNELS, parse_nccl_proto
 
         for name in ("nccl_min_nchannels", "nccl_max_nchannels"):

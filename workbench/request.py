@@ -28,15 +28,10 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One request inside the engine; compared by identity (two requests are never equal).
-
-    ``token_ids`` is the prompt followed by the output so far; ``num_computed_tokens``
-    counts the leading tokens whose K/V are in the cache. The tokens still to run
-    through the model are ``token_ids[num_computed_tokens:]`` (a prompt, a prompt's
-    remaining chunk, or the one token sampled last step).
-
-    Times are ``time.perf_counter()`` seconds.
-    """
+    """One request inside the engine; compared by identity (two requests are never equal). ``token_ids`` is the
+    prompt followed by the output so far; ``num_computed_tokens`` counts the leading tokens whose K/V are in the cache.
+    The tokens still to run through the model are ``token_ids[num_computed_tokens:]`` (a prompt, a prompt's remaining
+    chunk, or the one token sampled last step). Times are ``time.perf_counter()`` seconds."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -49,7 +44,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     error: str | None = None
-    # timing (perf_counter seconds)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

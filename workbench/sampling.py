@@ -1,9 +1,8 @@
 """Sampling parameters and the sampler.
 
-``SamplingParams`` mirrors vLLM's (https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html):
-greedy when ``temperature == 0``; otherwise temperature scaling, then top-k, then
-top-p (nucleus sampling, Holtzman et al., ICLR 2020), drawn from a per-request
-``torch.Generator`` seeded by ``seed`` so that a run reproduces token for token.
+``SamplingParams`` mirrors vLLM's (https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html): greedy when
+``temperature == 0``; otherwise temperature scaling, then top-k, then top-p (nucleus sampling, Holtzman et al.,
+ICLR 2020), drawn from a per-request ``torch.Generator`` seeded by ``seed`` so that a run reproduces token for token.
 """
 
 from __future__ import annotations
@@ -15,21 +14,17 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """How to pick each new token of a request.
+    """How to pick each new token; raises ``ValueError`` (naming the value and the fix) when a field is out of range.
 
     Attributes:
         temperature: 0 = greedy (argmax); > 0 divides the logits.
         top_k: keep the k most likely tokens (-1 or 0 = all).
         top_p: keep the smallest set of tokens whose probability sums to >= top_p (1 = all).
-        seed: seed of this request's generator; ``None`` = derived from the engine's seed
-            and the request's arrival order (still deterministic).
+        seed: seed of this request's generator; ``None`` = derived from the engine's seed and the arrival order.
         max_tokens: most new tokens to generate.
         stop_token_ids: token ids that end the request (kept in the output).
         ignore_eos: keep generating past the model's EOS token.
         n: output sequences per prompt; they share the prompt's KV blocks (copy-on-write).
-
-    Raises:
-        ValueError: on construction, when a field is out of range (names the value and the fix).
     """
 
     temperature: float = 0.0
@@ -59,20 +54,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> list[int]:
-    """Pick one token per row.
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """Pick one token per row; return ``num_seqs`` token ids.
 
     Args:
         logits: ``[num_seqs, vocab_size]``, any float dtype (computed in float32).
         params: one ``SamplingParams`` per row.
         generators: one generator per row (``None`` for greedy rows).
-
-    Returns:
-        ``num_seqs`` token ids.
     """
     logits = logits.float()
     out = logits.argmax(dim=-1).tolist()

@@ -1,28 +1,17 @@
-"""Iteration-level continuous batching with a per-step token budget.
+"""Iteration-level continuous batching with a per-step token budget (Orca, Yu et al., OSDI 2022;
+vLLM v1's scheduler, vllm/v1/core/sched/scheduler.py).
 
-Each step (Orca, Yu et al., OSDI 2022; vLLM's v1 scheduler, vllm/v1/core/sched/scheduler.py):
-
-1. running requests first, oldest first: each gets the tokens it still has to
-   compute (1 for a decode, the rest of its prompt for a chunked prefill),
-   capped by the remaining budget ``max_num_batched_tokens``; when the KV pool
-   cannot back them, the newest running request is preempted by recompute
-   (its blocks are freed and it goes back to the front of the waiting queue);
-2. swapped-out requests come back (preemption by swap), then
-3. waiting requests, first come first served (or by priority), while fewer than
-   ``max_num_seqs`` run and budget remains; with chunked prefill a prompt may
-   take only part of the remaining budget; a waiting request never preempts.
-
-The baselines of batching (``batching_policy``): ``static`` forms a batch of up to
-``max_num_seqs`` waiting requests, in arrival order, and admits no other request until
-every member has finished (the batch waits for its longest member, as a padded batch
-of FasterTransformer or ``transformers.generate`` does); ``grouped`` does the same with
-members of similar prompt length (the oldest waiting request and the ``max_num_seqs - 1``
-waiting requests closest to it in length), which shortens the wait for the longest.
-Both still run ragged (unpadded) batches here, so neither pays for padding tokens:
-their measured gap to continuous batching is a lower bound.
-
-The oldest running request can always proceed (the pool holds one
+Each step, three phases share the step's ``token_budget`` (``max_num_batched_tokens``): running
+requests (each gets its next tokens; when the pool cannot back them, the newest running request is
+preempted), swapped-out requests coming back, and waiting requests admitted (a waiting request
+never preempts). The oldest running request can always proceed (the pool holds one
 ``max_model_len`` sequence, checked at startup), so the loop cannot deadlock.
+
+Baselines (``batching_policy``): ``static`` admits a batch of up to ``max_num_seqs`` waiting
+requests in arrival order and no other request until every member has finished (a padded batch of
+FasterTransformer or ``transformers.generate`` waits for its longest member likewise); ``grouped``
+does the same with members of similar prompt length. Both run ragged batches here, without padding
+tokens, so their measured gap to continuous batching is a lower bound.
 """
 
 from __future__ import annotations
@@ -32,11 +21,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from workbench.config import BATCHING_POLICIES  # noqa: F401  (values of ``batching_policy``, declared there)
 from workbench.kv.interface import KVManager
 from workbench.request import Request, RequestStatus
-
-#: values of ``batching_policy``
-from workbench.config import BATCHING_POLICIES  # isort: skip  (declared in workbench.config)
 
 
 @dataclass(slots=True, init=False)
@@ -52,8 +39,8 @@ class ScheduledRequest:
     samples: bool
 
     def __init__(self, request: Request, start: int, num_new_tokens: int, num_tokens: int | None = None) -> None:
-        # one call per scheduled request per step: no __post_init__, no property lookups;
-        # ``num_tokens``: the request's prompt + output length when the caller has it
+        # one call per scheduled request per step: no __post_init__ or properties; ``num_tokens``:
+        # the request's prompt + output length when the caller has it
         self.request = request
         self.start = start
         self.num_new_tokens = num_new_tokens
@@ -96,29 +83,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Continuous batching over a KV manager (:class:`~workbench.kv.interface.KVManager`: the
-    scheduler uses that interface and nothing else of a manager).
+    """Continuous batching over a KV manager, through :class:`~workbench.kv.interface.KVManager` only.
 
     Args:
         kv: the KV manager.
         max_num_seqs: most running requests.
-        max_num_batched_tokens: token budget of one step.
-        enable_chunked_prefill: split prompts to fit the budget; when off, a prompt
-            is admitted only when all of it fits the step's remaining budget.
+        max_num_batched_tokens: the token budget of one step.
+        enable_chunked_prefill: split prompts to fit the budget; when off, a prompt is admitted
+            only when all of it fits the step's remaining budget.
         long_prefill_token_threshold: most prompt tokens one request takes in a step (0 = no cap).
-        scheduling_policy: ``"fcfs"`` (arrival order; the newest running request is the
-            preemption victim) or ``"priority"`` (lower ``Request.priority`` value first, then
-            arrival; the victim is the lowest-priority, newest running request), as in vLLM.
-        preemption_mode: ``"recompute"`` (free the victim's blocks; it recomputes later) or
-            ``"swap"`` (copy its blocks to the CPU swap pool and back; falls back to recompute
-            when the swap pool is full). vLLM paper, Kwon et al., SOSP 2023, §4.5.
-        batching_policy: ``"continuous"`` (iteration-level, the default), ``"static"`` or
-            ``"grouped"`` (see the module docstring).
-        clock: returns the current time in seconds (scheduled and finish times of requests);
-            ``time.perf_counter`` by default, the simulated clock in :mod:`workbench.sim`.
-
-    Raises:
-        ValueError: an unknown policy or mode.
+        scheduling_policy: ``"fcfs"`` (arrival order; the newest running request is the victim) or
+            ``"priority"`` (lower ``Request.priority`` first, then arrival; the victim is the
+            lowest-priority, newest running request), as in vLLM.
+        preemption_mode: ``"recompute"`` or ``"swap"`` (see :meth:`preempt`).
+        batching_policy: ``"continuous"``, ``"static"`` or ``"grouped"`` (module docstring).
+        clock: the time source (seconds) of scheduled and finish times; the simulator's in :mod:`workbench.sim`.
     """
 
     def __init__(
@@ -133,12 +112,6 @@ class Scheduler:
         batching_policy: str = "continuous",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if batching_policy not in BATCHING_POLICIES:
-            raise ValueError(f"batching_policy={batching_policy!r} must be one of {BATCHING_POLICIES}")
-        if scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy={scheduling_policy!r} must be 'fcfs' or 'priority'")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode={preemption_mode!r} must be 'recompute' or 'swap'")
         self.kv = kv
         self.clock = clock
         self.max_num_seqs = max_num_seqs
@@ -147,18 +120,16 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = scheduling_policy
         self.preemption_mode = preemption_mode
+        self.batching_policy = batching_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         #: parallel-sampling siblings waiting for their first sibling's prompt, keyed by its id
         self.fork_pending: dict[str, list[Request]] = {}
         self.num_preemptions_total = 0
-        self.batching_policy = batching_policy
-        #: ids of the current static / grouped batch's unfinished members
-        self.batch: set[str] = set()
+        self.batch: set[str] = set()  # ids of the current static / grouped batch's unfinished members
         self.num_batches = 0
-        #: append each sampled token's time to ``Request.token_times`` (the ITL record); the
-        #: simulator turns it off for replays that keep no ITL lists
+        #: append each sampled token's time to ``Request.token_times`` (the ITL record; replays that keep none turn it off)
         self.record_token_times = True
 
     # ------------------------------------------------------------------ queue
@@ -199,7 +170,6 @@ class Scheduler:
             if self.batching_policy != "continuous":
                 self.batch.update(s.request_id for s in sibs)
 
-    # ------------------------------------------------------------------ step
     def _chunk(self, request: Request, budget: int, computed: int | None = None) -> int:
         """Tokens the request takes this step, or 0 when it must wait for a later step."""
         if computed is None:
@@ -209,23 +179,18 @@ class Scheduler:
         if self.long_prefill_token_threshold and n > 1:
             n = min(n, self.long_prefill_token_threshold)
         n = min(n, budget)
-        if not self.enable_chunked_prefill and n < remaining:
-            # Without chunked prefill the whole remainder must fit this step; one that can
-            # never fit a step (a recompute after preemption longer than the budget) is
-            # chunked anyway, else it would wait forever.
-            if remaining <= self.max_num_batched_tokens:
-                return 0
+        # without chunked prefill the whole remainder must fit this step, unless it can never fit one
+        # (a recompute after preemption longer than the budget): that one is chunked, or it would wait forever
+        if not self.enable_chunked_prefill and n < remaining and remaining <= self.max_num_batched_tokens:
+            return 0
         return n
 
     def preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        """Preemption: take a running request off the batch to free KV memory for older ones.
-
-        By swap (``preemption_mode="swap"``, when the CPU swap pool has room): its blocks are
-        copied out (``out.swap_out``) and it waits in :attr:`swapped` to come back whole. By
-        recompute (otherwise): its blocks are freed, its computed tokens forgotten, and it goes
-        back to the front of the waiting queue to recompute prompt and output so far. vLLM
-        paper, Kwon et al., SOSP 2023, §4.5.
-        """
+        """Preemption: take a running request off the batch to free KV memory for older ones (vLLM
+        paper, Kwon et al., SOSP 2023, §4.5). By swap (``preemption_mode="swap"``, when the CPU swap
+        pool has room): its blocks are copied out (``out.swap_out``) and it waits in :attr:`swapped`.
+        By recompute (otherwise): its blocks are freed and it goes back to the front of the waiting
+        queue to recompute its prompt and output so far."""
         self.running.remove(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
@@ -255,10 +220,9 @@ class Scheduler:
         if self.policy == "fcfs":
             victim = self.running[-1]
         else:
-            # the lowest priority, newest; among equal keys (parallel-sampling siblings share priority
-            # and arrival) the last in the running order, as FCFS takes running[-1] — ``max`` over the
-            # list in order would pick the first of equals, the request furthest along, and siblings
-            # could then preempt each other forever
+            # the lowest priority, newest; among equal keys (parallel-sampling siblings) the last in
+            # running order, as FCFS: the first of equals is the one furthest along, and siblings could
+            # then preempt each other forever
             victim = max((r for r in reversed(self.running) if r.request_id not in scheduled_ids), key=self._key)
         if scheduled_ids and victim.request_id in scheduled_ids:
             raise RuntimeError("KV pool exhausted by requests already scheduled this step")
@@ -266,11 +230,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts, allocating their KV slots.
-
-        Three phases share the step's ``token_budget`` (``max_num_batched_tokens``): running
-        requests, then swapped requests coming back, then waiting requests admitted.
-        """
+        """Pick this step's requests and token counts, allocating their KV slots: running requests,
+        then swapped requests coming back, then waiting requests admitted, under one ``token_budget``."""
         out = self._schedule_phases()
         if out.is_empty and not self.running and self.waiting and not out.swap_out:
             # Waiting requests that hold blocks (forked siblings) can pin the pool; release them
@@ -385,13 +346,9 @@ class Scheduler:
         fewer than ``max_num_seqs`` run and budget remains, and only when nothing was preempted
         this step and none is swapped out; a prompt may start from prefix-cache hits."""
         kv = self.kv
-        while (
-            self.waiting
-            and token_budget > 0
-            and len(self.running) < self.max_num_seqs
-            and not out.preempted
-            and not self.swapped
-        ):
+        if out.preempted or self.swapped:
+            return
+        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else []
             computed = req.num_computed_tokens + len(hits) * kv.block_size

@@ -1,7 +1,6 @@
 """Paged-attention backends behind one interface: the PyTorch reference (:mod:`workbench.attention.torch_ref`)
 and the Triton kernels of :mod:`kernels` (:mod:`workbench.attention.triton_backend`); the choice is
-:mod:`workbench.attention.backend` (engine option ``attention_backend``). Importing this package
-never imports Triton."""
+:mod:`workbench.attention.backend` (engine option ``attention_backend``). Importing this package imports no Triton."""
 
 from workbench.attention.backend import (
     BACKEND_NAMES,

@@ -1,15 +1,11 @@
 """Choosing the paged-attention backend: the PyTorch reference or the Triton kernels.
 
-A backend is an object with
-
-* ``name``: ``"torch"``, ``"triton"`` or ``"triton-interpret"``;
-* ``write_kv(k_cache, v_cache, k, v, slot_mapping)``: scatter the step's new K/V into their slots;
-* ``paged_attention(q, k, v, k_cache, v_cache, meta, scale) -> [num_tokens, num_heads, head_dim]``;
-* optionally ``copy_blocks(gpu_caches, cpu_caches, swap_out, copies, swap_in)``: the step's block
-  copies on the device (the executor's own PyTorch indexing is used when absent).
-
-The model calls ``meta.backend`` (``None`` = the PyTorch reference), which the executor sets on each
-step's :class:`~workbench.attention.AttentionMetadata`.
+A backend has a ``name`` (``"torch"``, ``"triton"`` or ``"triton-interpret"``),
+``write_kv(k_cache, v_cache, k, v, slot_mapping)`` (scatter the step's new K/V into their slots),
+``paged_attention(q, k, v, k_cache, v_cache, meta, scale) -> [num_tokens, num_heads, head_dim]`` and optionally
+``copy_blocks(gpu_caches, cpu_caches, swap_out, copies, swap_in)`` (the step's block copies on the device; the
+executor's own PyTorch indexing when absent). The model calls ``meta.backend`` (``None`` = the PyTorch reference),
+which the executor sets on each step's :class:`~workbench.attention.AttentionMetadata`.
 
 Engine option ``attention_backend``:
 
@@ -19,8 +15,6 @@ Engine option ``attention_backend``:
 | ``"torch"`` | the PyTorch reference (:mod:`workbench.attention.torch_ref`): gather + SDPA, any device |
 | ``"triton"`` | the compiled Triton kernels of :mod:`kernels`; CUDA only |
 | ``"triton-interpret"`` | the same kernels in Triton's interpreter (NumPy on the CPU): slow, exact, for teaching and tests |
-
-Triton is optional: nothing here imports it until a Triton backend is built.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ from workbench.config import ATTENTION_BACKENDS as BACKEND_NAMES  # isort: skip 
 
 
 class TorchBackend:
-    """The PyTorch reference: :func:`~workbench.attention.torch_ref.write_kv` and
-    :func:`~workbench.attention.torch_ref.paged_attention`."""
+    """The PyTorch reference: :func:`~workbench.attention.torch_ref.write_kv` and ``paged_attention``."""
 
     name = "torch"
     write_kv = staticmethod(torch_ref.write_kv)
@@ -50,10 +43,8 @@ TORCH_BACKEND = TorchBackend()
 
 
 def check_backend(name: str, device: torch.device | str) -> None:
-    """Raise ``ValueError`` (naming the value and the fix) if ``name`` cannot run on ``device``.
-
-    Does not import Triton (``EngineConfig.validate`` calls it before anything loads).
-    """
+    """Raise ``ValueError`` (naming the value and the fix) if ``name`` cannot run on ``device``. Imports no Triton
+    (``LLMEngine`` calls it before anything loads)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={name!r} must be one of {', '.join(repr(n) for n in BACKEND_NAMES)}")
     if name in ("auto", "torch"):
@@ -89,11 +80,8 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "cpu"):
-    """The backend object for ``name`` on ``device``.
-
-    Raises:
-        ValueError: the backend cannot run here (see :func:`check_backend`).
-    """
+    """The backend object for ``name`` on ``device``; raises ``ValueError`` if it cannot run here (see
+    :func:`check_backend`)."""
     resolved = resolve_backend(name, device)
     if resolved == "torch":
         return TORCH_BACKEND

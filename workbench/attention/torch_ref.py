@@ -1,13 +1,11 @@
 """PyTorch reference paged attention: gather K/V through block tables, then SDPA.
 
-The cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``
-(K and V). A token at position ``p`` of a request lives in slot
-``block_table[p // block_size] * block_size + p % block_size`` (PagedAttention,
-Kwon et al., SOSP 2023, §4.1).
+The cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` (K and V). A token at
+position ``p`` of a request lives in slot ``block_table[p // block_size] * block_size + p % block_size``
+(PagedAttention, Kwon et al., SOSP 2023, §4.1).
 
-The step's tokens are ordered: first the ``num_decode`` sequences that run one
-query token (a decode, or a one-token chunk), then the sequences that run several
-(prefills and prefill chunks), each contiguous.
+The step's tokens are ordered: first the ``num_decode`` sequences that run one query token (a decode, or a
+one-token chunk), then the sequences that run several (prefills and prefill chunks), each contiguous.
 """
 
 from __future__ import annotations
@@ -21,17 +19,15 @@ import torch.nn.functional as F
 
 @dataclass
 class DecodeGroup:
-    """Consecutive one-query-token sequences of similar context length, attended in one batched call.
-
-    Grouping by length bounds the padding of the gathered K/V (a 50-token and a
-    1,500-token context in one batch would pad the first 30-fold).
+    """Consecutive one-query-token sequences of similar context length, attended in one batched call. Grouping by
+    length bounds the padding of the gathered K/V (a 50-token and a 1,500-token context in one batch would pad the
+    first 30-fold).
 
     Attributes:
         start: row of the group's first token in the step's flat tokens.
         block_tables: ``[n, max_blocks]`` int64 (padded with 0).
         mask: ``[n, 1, 1, max_blocks * block_size]`` bool, True where a key position is valid.
-        context_lens: ``[n]`` int64 tokens of context (the query token included); optional, the
-            Triton backend counts them from ``mask`` when absent.
+        context_lens: ``[n]`` int64 context tokens (query included); when absent, the Triton backend counts ``mask``.
     """
 
     start: int
@@ -54,10 +50,8 @@ class AttentionMetadata:
         decode_groups: those sequences, in groups of similar context length.
         prefill_query_lens: query tokens of each multi-token sequence.
         prefill_context_lens: context lengths (tokens, the new ones included) of those sequences.
-        prefill_block_tables: int64 block tables of those sequences (used when part of the
-            context is already cached).
-        backend: the attention backend the model calls (see :mod:`workbench.attention.backend`);
-            ``None`` = the PyTorch reference. The executor sets it.
+        prefill_block_tables: int64 block tables of those sequences (used when part of the context is cached).
+        backend: the backend the model calls (:mod:`workbench.attention.backend`; ``None`` = the PyTorch reference).
         extras: per-step data a backend derives once and reuses across layers.
     """
 
@@ -101,7 +95,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of the step's tokens over their paged context.
+    """Causal attention of the step's tokens over their paged context: ``[num_tokens, num_heads, head_dim]``.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``.
@@ -109,9 +103,6 @@ def paged_attention(
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         meta: the step's layout.
         scale: softmax scale, usually ``head_dim ** -0.5``.
-
-    Returns:
-        ``[num_tokens, num_heads, head_dim]``.
     """
     num_tokens, nh, d = q.shape
     nkv = k_cache.shape[2]
@@ -132,8 +123,7 @@ def paged_attention(
         qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, nh, qlen, d]
         if ctx == qlen:  # nothing cached before this chunk: use the fresh K/V
             ks, vs = k[start:end], v[start:end]
-            mask = None
-            causal = True
+            mask, causal = None, True
         else:
             ks = gather_kv(k_cache, table, ctx).to(q.dtype)
             vs = gather_kv(v_cache, table, ctx).to(q.dtype)

@@ -1,11 +1,9 @@
 """The Triton backend: the kernels of :mod:`kernels` behind the engine's attention interface.
 
-The engine's :class:`~workbench.attention.AttentionMetadata` is shaped for the PyTorch reference
-(decode sequences in length groups, prefill sequences as lists). The kernels want one padded
-block table per sequence and lengths as device tensors; :meth:`TritonBackend.layout` builds
-them once per step (on the first layer) and keeps them on the metadata for the other layers, so
-the reference path pays nothing for them.
-"""
+The engine's :class:`~workbench.attention.AttentionMetadata` is shaped for the PyTorch reference (decode sequences
+in length groups, prefill sequences as lists). The kernels want one padded block table per sequence and lengths as
+device tensors; :meth:`TritonBackend.layout` builds them once per step (on the first layer) and keeps them on the
+metadata for the other layers, so the reference path pays nothing for them."""
 
 from __future__ import annotations
 
@@ -43,14 +41,8 @@ class TritonLayout:
 
 
 class TritonBackend:
-    """Paged attention, cache writes and block copies by the Triton kernels.
-
-    Args:
-        interpret: run the kernels in Triton's interpreter (any device; slow) instead of compiled (CUDA).
-
-    Raises:
-        ImportError: Triton is not installed.
-    """
+    """Paged attention, cache writes and block copies by the Triton kernels: compiled (CUDA), or with ``interpret``
+    in Triton's interpreter (any device; slow). Raises ``ImportError`` if Triton is not installed."""
 
     def __init__(self, interpret: bool = False) -> None:
         load_triton()
@@ -66,7 +58,6 @@ class TritonBackend:
     def __repr__(self) -> str:
         return f"TritonBackend(interpret={self.interpret})"
 
-    # ------------------------------------------------------------------ attention
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         """:func:`kernels.cache_ops.reshape_and_cache` (same arguments as the reference ``write_kv``)."""
         self._cache.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, **self._mode)
@@ -112,7 +103,6 @@ class TritonBackend:
             )  # fmt: skip
         return out
 
-    # ------------------------------------------------------------------ block copies
     def copy_blocks(
         self,
         gpu_caches: list[torch.Tensor],
@@ -121,10 +111,10 @@ class TritonBackend:
         copies: list[tuple[int, int]],
         swap_in: list[tuple[int, int]],
     ) -> None:
-        """The step's block copies, in the executor's order: swap out (device blocks gathered by a kernel,
-        then one transfer to host memory), copy-on-write copies (``copy_blocks`` kernel), swap in (one
-        transfer to the device, then a scatter kernel). Pairs are ``(src, dst)`` block ids; caches are
-        per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        """The step's block copies, in the executor's order: swap out (device blocks gathered by a kernel, then one
+        transfer to host memory), copy-on-write copies (``copy_blocks`` kernel), swap in (one transfer to the device,
+        then a scatter kernel). Pairs are ``(src, dst)`` block ids; caches are per layer
+        ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
         if not gpu_caches:
             return
         dev = gpu_caches[0].device

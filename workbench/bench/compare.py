@@ -19,6 +19,7 @@ from pathlib import Path
 
 from workbench.bench.datasets import default_prompts, load_prompts
 from workbench.bench.run import JobResult, run_job
+from workbench.config import is_plugin_name
 from workbench.kv.contiguous import KV_ALLOCATORS
 from workbench.metrics.waste import USED_CATEGORIES, WASTE_CATEGORIES, waste_breakdown
 from workbench.scheduler import BATCHING_POLICIES
@@ -90,7 +91,9 @@ def compare(
     Raises:
         ValueError: an unknown allocator or policy (before any model loads), or bad engine arguments.
     """
-    bad = [a for a in allocators if a not in KV_ALLOCATORS] + [p for p in batching_policies if p not in BATCHING_POLICIES]
+    bad = [a for a in allocators if a not in KV_ALLOCATORS and not is_plugin_name(a)] + [
+        p for p in batching_policies if p not in BATCHING_POLICIES
+    ]
     if bad:
         raise ValueError(
             f"unknown variant(s) {bad}: allocators are {', '.join(KV_ALLOCATORS)}; "

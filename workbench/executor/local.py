@@ -1,11 +1,10 @@
 """One process, one device: the executor that loads the model and runs each step's schedule.
 
 An executor is what :class:`~workbench.engine.LLMEngine` drives each step (ARCHITECTURE §5):
-``execute_step(scheduler_output, kv)`` makes the step's block copies, runs the model and samples,
-and returns a :class:`ModelRunnerOutput`. :class:`LocalExecutor` does this in this process;
-:class:`~workbench.executor.tensor_parallel.TensorParallelExecutor` over worker processes (both
-share :class:`ModelExecutor`); :class:`~workbench.sim.engine.SimulatedExecutor` with a cost model.
-"""
+``execute_step(scheduler_output, kv)`` makes the step's block copies, runs the model and samples, and returns a
+:class:`ModelRunnerOutput`. :class:`LocalExecutor` does this in this process;
+:class:`~workbench.executor.tensor_parallel.TensorParallelExecutor` over worker processes (both share
+:class:`ModelExecutor`); :class:`~workbench.sim.engine.SimulatedExecutor` with a cost model."""
 
 from __future__ import annotations
 
@@ -31,10 +30,9 @@ class ModelRunnerOutput:
 
     Attributes:
         sampled: request id -> the token it sampled (requests that reached their last token).
-        model_time_s: seconds of input preparation, block copies and the forward.
-        sample_time_s: seconds of sampling.
-        overhead_s: seconds the executor attributes to the engine's own per-step work (a
-            simulated executor's modelled overhead; 0 for a real one, whose engine measures it).
+        model_time_s, sample_time_s: seconds of input preparation, block copies and the forward; of sampling.
+        overhead_s: seconds the executor attributes to the engine's own per-step work (a simulated executor's
+            modelled overhead; 0 for a real one, whose engine measures it).
         comm: the step's collectives (``to_dict()`` gives StepStats' communication fields), or ``None``.
     """
 
@@ -50,13 +48,12 @@ class ModelInput:
     """Flat tensors of one step (see :class:`~workbench.attention.AttentionMetadata`).
 
     Attributes:
-        input_ids: ``[num_tokens]`` int64.
-        positions: ``[num_tokens]`` int64.
+        input_ids, positions: ``[num_tokens]`` int64, each token's id and its position in its sequence.
         meta: the paged-attention layout (slot mapping, block tables, context lengths).
         logits_indices: ``[num_sampling]`` int64, rows of the tokens that sample.
         sampling: the scheduled requests that sample, in the order of ``logits_indices``.
-        order: every scheduled request in the order its tokens appear in ``input_ids`` (each
-            contributes ``num_new_tokens`` consecutive tokens): decodes first, then the rest.
+        order: every scheduled request in the order its tokens appear in ``input_ids`` (each contributes
+            ``num_new_tokens`` consecutive tokens): decodes first, then the rest.
     """
 
     input_ids: torch.Tensor
@@ -73,10 +70,7 @@ def prepare_inputs(out: SchedulerOutput, kv: KVManager, device: torch.device) ->
     decodes = sorted((s for s in out.scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
     prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
     bs = kv.block_size
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    logits_idx: list[int] = []
+    ids, pos, slots, logits_idx = [], [], [], []
     sampling: list[ScheduledRequest] = []
     for s in decodes + prefills:
         req, start, n = s.request, s.start, s.num_new_tokens
@@ -119,17 +113,15 @@ def prepare_inputs(out: SchedulerOutput, kv: KVManager, device: torch.device) ->
 
 
 class ModelRunner:
-    """Runs a model (or one rank's shard) on one device and owns its KV cache tensors.
+    """Runs a model (or one rank's shard) on one device and owns its KV cache tensors, per layer
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 
     Args:
         model: the loaded model (weights already on ``device`` in their dtype).
         num_blocks, block_size: the pool's shape.
-        kv_dtype: dtype of the cache.
-        device: where the cache lives.
+        kv_dtype, device: the cache's dtype and device.
         attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"triton-interpret"``
             (:mod:`workbench.attention.backend`); the Triton backends also do the block copies.
-
-    The cache of each layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
     """
 
     def __init__(
@@ -147,26 +139,20 @@ class ModelRunner:
         cfg = model.config
         attn = model.layers[0].self_attn  # KV heads of this rank's shard under tensor parallelism
         shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        # zeros, not empty: attention reads whole blocks and masks the unwritten slots, and a NaN
-        # bit pattern left in uninitialised memory would survive the mask (0 x NaN = NaN)
+        # zeros, not empty: attention reads whole blocks and masks the unwritten slots, and a NaN bit pattern left in
+        # uninitialised memory would survive the mask (0 x NaN = NaN)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.device = torch.device(device)
         cpu_shape = (2, num_cpu_blocks, *shape[2:])
         pin = self.device.type == "cuda"
-        self.cpu_caches = (
-            [torch.zeros(cpu_shape, dtype=kv_dtype, pin_memory=pin) for _ in range(cfg.num_hidden_layers)]
-            if num_cpu_blocks
-            else []
-        )
+        cpu_layers = cfg.num_hidden_layers if num_cpu_blocks else 0  # no swap space: no CPU tensors
+        self.cpu_caches = [torch.zeros(cpu_shape, dtype=kv_dtype, pin_memory=pin) for _ in range(cpu_layers)]
 
     def copy_blocks(
-        self,
-        swap_out: list[tuple[int, int]],
-        copies: list[tuple[int, int]],
-        swap_in: list[tuple[int, int]],
+        self, swap_out: list[tuple[int, int]], copies: list[tuple[int, int]], swap_in: list[tuple[int, int]]
     ) -> None:
-        """Block copies of one step, in this order: device -> CPU (swap out), device -> device
-        (copy-on-write), CPU -> device (swap in). Each pair is ``(src, dst)`` block ids."""
+        """Block copies of one step, in this order: device -> CPU (swap out), device -> device (copy-on-write),
+        CPU -> device (swap in). Each pair is ``(src, dst)`` block ids."""
         if self.attn_backend.name != "torch":  # the Triton gather / copy / scatter kernels
             self.attn_backend.copy_blocks(self.kv_caches, self.cpu_caches, swap_out, copies, swap_in)
             return
@@ -176,13 +162,11 @@ class ModelRunner:
 
         for layer, gpu in enumerate(self.kv_caches):
             if swap_out:
-                cpu = self.cpu_caches[layer]
-                cpu[:, idx(swap_out, 1, "cpu")] = gpu[:, idx(swap_out, 0, gpu.device)].to("cpu")
+                self.cpu_caches[layer][:, idx(swap_out, 1, "cpu")] = gpu[:, idx(swap_out, 0, gpu.device)].to("cpu")
             if copies:
                 gpu[:, idx(copies, 1, gpu.device)] = gpu[:, idx(copies, 0, gpu.device)]
             if swap_in:
-                cpu = self.cpu_caches[layer]
-                gpu[:, idx(swap_in, 1, gpu.device)] = cpu[:, idx(swap_in, 0, "cpu")].to(gpu.device)
+                gpu[:, idx(swap_in, 1, gpu.device)] = self.cpu_caches[layer][:, idx(swap_in, 0, "cpu")].to(gpu.device)
 
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> torch.Tensor:
@@ -194,15 +178,10 @@ class ModelRunner:
 class ModelExecutor:
     """What the executors of a real model share: the model's files, the memory budget, the step.
 
-    Subclasses build the model for a length (:meth:`load_model`), measure the activation peak
-    (:meth:`profile_activation_peak`), allocate the cache (:meth:`init_cache`) and run a forward
-    (``execute_model(ModelInput) -> logits``) and block copies (``copy_blocks``).
-
-    Args:
-        config: the engine arguments.
-
-    Raises:
-        FileNotFoundError / ValueError: the model cannot be read (see :func:`workbench.model.loader.load_model`).
+    Built from ``config`` (the engine arguments); raises ``FileNotFoundError`` / ``ValueError`` if the model cannot
+    be read (see :func:`workbench.model.loader.load_model`). Subclasses build the model for a length
+    (:meth:`load_model`), measure the activation peak (:meth:`profile_activation_peak`), allocate the cache
+    (:meth:`init_cache`) and run a forward (``execute_model(ModelInput) -> logits``) and block copies (``copy_blocks``).
     """
 
     comm_buffer_bytes = 0
@@ -227,11 +206,10 @@ class ModelExecutor:
 
     def memory_budget(self, max_model_len: int, max_num_batched_tokens: int) -> MemoryBudget:
         """The KV budget after vLLM's profile run (:func:`workbench.memory.engine_budget`)."""
-        weights = self.model.weight_bytes()
         return engine_budget(
             self.config,
             self.hf_config,
-            weights,
+            self.model.weight_bytes(),
             self.comm_buffer_bytes,
             max_model_len,
             max_num_batched_tokens,

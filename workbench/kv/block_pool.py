@@ -1,11 +1,9 @@
 """Physical KV blocks: a free-block queue, reference counts, and the prefix cache's hash table.
 
-The design follows vLLM's block pool (vllm/v1/core/block_pool.py): blocks are handed out
-from the front of a free queue and returned to its back when their reference count drops
-to zero. With prefix caching a freed block keeps its content hash and stays findable until
-it is handed out again, so the free queue doubles as the LRU list of cached blocks: the
-least recently freed cached block is evicted first.
-"""
+The design follows vLLM's block pool (vllm/v1/core/block_pool.py): blocks are handed out from the front of a free
+queue and returned to its back when their reference count drops to zero. With prefix caching a freed block keeps its
+content hash and stays findable until it is handed out again, so the free queue doubles as the LRU list of cached
+blocks: the least recently freed cached block is evicted first."""
 
 from __future__ import annotations
 
@@ -13,16 +11,13 @@ from collections import OrderedDict
 
 
 class BlockPool:
-    """``num_blocks`` physical blocks.
+    """``num_blocks`` physical blocks; raises ``ValueError`` if ``num_blocks < 1``.
 
     Attributes:
         ref_cnt: owners of each block (0 = free).
         block_hash: the content hash of each cached (full, prefix-cacheable) block, else ``None``.
         cached: hash -> block id, for every block that holds a cached full block.
         num_evictions: cached blocks evicted (handed out for new content) so far.
-
-    Raises:
-        ValueError: ``num_blocks < 1``.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -30,8 +25,8 @@ class BlockPool:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
-        #: False until some block has a second owner (a fork, a prefix-cache hit): while False no
-        #: block is shared, so a write needs no copy-on-write check
+        #: False until some block has a second owner (a fork, a prefix-cache hit): while False no block is shared,
+        #: so a write needs no copy-on-write check
         self.ever_shared = False
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
@@ -57,12 +52,8 @@ class BlockPool:
         return [b for b in self._free if self.block_hash[b] is not None]
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (reference count 1 each), evicting cached content LRU-first.
-
-        Raises:
-            RuntimeError: fewer than ``n`` blocks are free (callers check
-                :attr:`num_free_blocks` first; this is a bug guard).
-        """
+        """Take ``n`` free blocks (reference count 1 each), evicting cached content LRU-first. Raises
+        ``RuntimeError`` if fewer than ``n`` are free (a bug guard: callers check :attr:`num_free_blocks`)."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks with only {len(self._free)} free")
         out = []
@@ -86,11 +77,7 @@ class BlockPool:
             self.ever_shared = True
 
     def incref(self, block_id: int) -> None:
-        """Add an owner to an allocated block.
-
-        Raises:
-            RuntimeError: the block is free.
-        """
+        """Add an owner to an allocated block; raises ``RuntimeError`` if the block is free."""
         if self.ref_cnt[block_id] < 1:
             raise RuntimeError(f"block {block_id} is free; cannot share it")
         self.ref_cnt[block_id] += 1
@@ -103,14 +90,9 @@ class BlockPool:
             self.block_hash[block_id] = block_hash
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference of each block; a block whose count reaches 0 goes to the free queue's back.
-
-        Blocks are returned in reverse order so that a request's tail blocks, the least likely
-        to be shared, are evicted first (as vLLM does).
-
-        Raises:
-            RuntimeError: a block is already free (double free).
-        """
+        """Drop one reference of each block; a block whose count reaches 0 goes to the free queue's back, in reverse
+        order so that a request's tail blocks, the least likely to be shared, are evicted first (as vLLM does).
+        Raises ``RuntimeError`` if a block is already free (double free)."""
         for b in reversed(blocks):
             if self.ref_cnt[b] < 1:
                 raise RuntimeError(f"double free of block {b}")

@@ -1,36 +1,30 @@
 """Contiguous KV allocators: the baselines PagedAttention replaced (vLLM paper, Kwon et al., SOSP 2023, §2.3, §6.1).
 
-Before PagedAttention, serving systems stored a request's KV cache in one contiguous
-chunk of memory sized, at admission, for the longest the request could become. This
-module reproduces that inside the same engine: the pool is one address range of
-``num_blocks`` blocks; a request reserves one run of consecutive blocks when it is
-admitted; placement is **first-fit** (the lowest-addressed hole that is large enough),
-so holes left by finished requests fragment the range and *external fragmentation* is
-real. The model runs unchanged: a contiguous region ``[start, start + n)`` is simply the
-block table ``[start, start+1, ..., start+n-1]``.
+Before PagedAttention, serving systems stored a request's KV cache in one contiguous chunk of memory sized, at
+admission, for the longest the request could become. This module reproduces that inside the same engine: the pool is
+one address range of ``num_blocks`` blocks; a request reserves one run of consecutive blocks when it is admitted;
+placement is **first-fit** (the lowest-addressed hole that is large enough), so holes left by finished requests
+fragment the range and *external fragmentation* is real. The model runs unchanged: a contiguous region
+``[start, start + n)`` is simply the block table ``[start, start+1, ..., start+n-1]``.
 
 How much each request reserves (tokens, rounded up to whole blocks, capped by the pool):
 
-==============  =====================================================================
-``static``      ``max_model_len`` for every request (a padded tensor of the longest
-                sequence the model allows; FasterTransformer-style static batching)
-``orca-max``    prompt + ``max_tokens`` (capped by ``max_model_len``): the most the
-                request may produce (Orca, Yu et al., OSDI 2022, as the vLLM paper's
-                "Orca (Max)" with a per-request cap)
-``orca-pow2``   prompt + the true output length rounded up to a power of two, capped by
-                ``max_tokens`` ("Orca
+==============  ====================================================================================================
+``static``      ``max_model_len`` for every request (a padded tensor of the longest sequence the model allows;
+                FasterTransformer-style static batching)
+``orca-max``    prompt + ``max_tokens`` (capped by ``max_model_len``): the most the request may produce (Orca, Yu et
+                al., OSDI 2022, as the vLLM paper's "Orca (Max)" with a per-request cap)
+``orca-pow2``   prompt + the true output length rounded up to a power of two, capped by ``max_tokens`` ("Orca
                 (Pow2)": over-reserves by less than 2x; needs the true length)
 ``orca-oracle`` prompt + the true output length ("Orca (Oracle)"; needs the true length)
-==============  =====================================================================
+==============  ====================================================================================================
 
-The true output length comes from a previous run or the trace
-(``expected_output_len`` of :meth:`workbench.engine.LLMEngine.add_request`).
+The true output length comes from a previous run or the trace (``expected_output_len`` of
+:meth:`workbench.engine.LLMEngine.add_request`).
 
-A request whose reservation does not fit any hole waits (the scheduler stops admitting,
-first come first served), as it would in such a system. Once admitted it never needs
-another block, so it is never preempted. Prefix caching, swapping and parallel sampling
-need block sharing or moving and are refused with these allocators.
-"""
+A request whose reservation does not fit any hole waits (the scheduler stops admitting, first come first served), as
+it would in such a system. Once admitted it never needs another block, so it is never preempted. Prefix caching,
+swapping and parallel sampling need block sharing or moving and are refused with these allocators."""
 
 from __future__ import annotations
 
@@ -49,33 +43,22 @@ def next_pow2(n: int) -> int:
 
 
 def reservation_tokens(
-    allocator: str,
-    num_prompt_tokens: int,
-    max_tokens: int,
-    max_model_len: int,
-    expected_output_len: int | None = None,
+    allocator: str, num_prompt_tokens: int, max_tokens: int, max_model_len: int, expected_output_len: int | None = None
 ) -> int:
-    """Tokens a contiguous allocator reserves for a request at admission.
+    """Tokens a contiguous allocator reserves for a request at admission: at most ``max_model_len``, except for
+    ``orca-pow2``, which may round beyond it (the caller caps by the pool). Raises ``ValueError`` for an unknown
+    allocator, or ``orca-pow2``/``orca-oracle`` without ``expected_output_len``.
 
     Args:
         allocator: one of :data:`CONTIGUOUS_ALLOCATORS`.
-        num_prompt_tokens: prompt length (tokens).
-        max_tokens: the request's output cap (tokens).
-        max_model_len: the engine's longest sequence (tokens).
+        num_prompt_tokens, max_tokens, max_model_len: the prompt's length, the request's output cap and the engine's
+            longest sequence (tokens).
         expected_output_len: the true output length (tokens), for ``orca-pow2`` / ``orca-oracle``.
-
-    Returns:
-        tokens, at most ``max_model_len`` for ``static``/``orca-max``/``orca-oracle``; ``orca-pow2``
-        may round beyond it (the caller caps by the pool).
-
-    Raises:
-        ValueError: an unknown allocator, or ``orca-pow2``/``orca-oracle`` without ``expected_output_len``.
     """
-    longest = min(num_prompt_tokens + max_tokens, max_model_len)
     if allocator == "static":
         return max_model_len
     if allocator == "orca-max":
-        return longest
+        return min(num_prompt_tokens + max_tokens, max_model_len)
     if allocator in ("orca-pow2", "orca-oracle"):
         if expected_output_len is None:
             raise ValueError(
@@ -93,15 +76,14 @@ def reservation_tokens(
 class ContiguousKVCacheManager(KVManager):
     """First-fit contiguous reservation over one block address range.
 
-    The :class:`~workbench.kv.interface.KVManager` interface (the scheduler and the model runner
-    cannot tell it from paged allocation); :meth:`declare` sets each request's reservation size.
-    No prefix caching, swapping or forking (the interface's defaults: nothing cached, no swap
-    space, ``fork`` refused).
+    The :class:`~workbench.kv.interface.KVManager` interface (the scheduler and the model runner cannot tell it from
+    paged allocation); :meth:`declare` sets each request's reservation size. No prefix caching, swapping or forking
+    (the interface's defaults: nothing cached, no swap space, ``fork`` refused).
 
     Args:
         num_blocks: blocks in the pool (the address range is ``0 .. num_blocks-1``).
         block_size: token slots per block.
-        allocator: a name from :data:`CONTIGUOUS_ALLOCATORS` (for reports).
+        allocator: a name from :data:`CONTIGUOUS_ALLOCATORS` (for reports); another raises ``ValueError``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, allocator: str = "static") -> None:
@@ -116,7 +98,6 @@ class ContiguousKVCacheManager(KVManager):
         self._reserve: dict[str, int] = {}  # request -> reserved tokens (declared)
         self._used_blocks = 0
 
-    # ------------------------------------------------------------ reservation
     def declare(
         self,
         request_id: str,
@@ -125,12 +106,8 @@ class ContiguousKVCacheManager(KVManager):
         max_model_len: int,
         expected_output_len: int | None = None,
     ) -> int | None:
-        """Size the request's reservation (:func:`reservation_tokens`, capped by the pool); ``orca-pow2``
-        and ``orca-oracle`` return the true output length as the output cap.
-
-        Raises:
-            ValueError: ``orca-pow2`` / ``orca-oracle`` without ``expected_output_len``.
-        """
+        """Size the request's reservation (:func:`reservation_tokens`, capped by the pool); ``orca-pow2`` and
+        ``orca-oracle`` return the true output length as the output cap (``ValueError`` without it)."""
         reserve = reservation_tokens(self.allocator, num_prompt_tokens, max_tokens, max_model_len, expected_output_len)
         self._reserve[request_id] = max(1, min(reserve, self.pool_tokens))
         if self.allocator in ("orca-oracle", "orca-pow2"):
@@ -143,8 +120,7 @@ class ContiguousKVCacheManager(KVManager):
 
     def free_runs(self) -> list[tuple[int, int]]:
         """Free runs ``(start, num_blocks)`` in address order (the holes between regions)."""
-        out = []
-        cur = 0
+        out, cur = [], 0
         for start, n, _ in self.regions:
             if start > cur:
                 out.append((cur, start - cur))
@@ -155,12 +131,8 @@ class ContiguousKVCacheManager(KVManager):
 
     def first_fit(self, num_blocks: int) -> int | None:
         """Start of the lowest-addressed hole of at least ``num_blocks`` blocks, or ``None``."""
-        for start, n in self.free_runs():
-            if n >= num_blocks:
-                return start
-        return None
+        return next((start for start, n in self.free_runs() if n >= num_blocks), None)
 
-    # ------------------------------------------------------- manager interface
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
@@ -172,15 +144,9 @@ class ContiguousKVCacheManager(KVManager):
     def allocate_slots(
         self, request_id: str, num_total_tokens: int, cached_blocks=(), write_start: int | None = None
     ) -> bool:
-        """Reserve the request's whole region at its first call (first-fit); later calls only check it.
-
-        Returns:
-            ``False`` (and changes nothing) when no hole holds the reservation.
-
-        Raises:
-            RuntimeError: ``num_total_tokens`` exceeds the reservation (a bug: requests are
-                capped at their reservation by the engine).
-        """
+        """Reserve the request's whole region at its first call (first-fit); later calls only check it. Returns
+        ``False`` (and changes nothing) when no hole holds the reservation. Raises ``RuntimeError`` if
+        ``num_total_tokens`` exceeds the reservation (a bug: the engine caps requests by it)."""
         table = self.block_tables.get(request_id)
         if table is None:
             need = max(self.reservation_blocks(request_id), cdiv(num_total_tokens, self.block_size))

@@ -1,20 +1,17 @@
 """The KV-manager interface: everything the scheduler, the engine and the accounting use of a manager.
 
-A KV manager hands out *token slots* of one pool of ``num_blocks`` blocks of ``block_size``
-slots each, block by block, and keeps each request's *block table* (its physical blocks in
-logical order). The scheduler decides who runs; the manager only says yes or no to a request
-for slots and remembers who holds what. Memory figures (the split of ARCHITECTURE §3, block
-maps, KV utilization) are computed from what this interface exposes by
-:mod:`workbench.metrics.accounting`: a manager never computes one.
+A KV manager hands out *token slots* of one pool (``num_blocks`` blocks of ``block_size`` slots),
+block by block, and keeps each request's *block table* (its physical blocks in logical order). The
+scheduler decides who runs; the manager says yes or no to a request for slots and remembers who
+holds what. Memory figures (ARCHITECTURE §3) are computed from this interface by
+:mod:`workbench.metrics.accounting`: a manager never computes one. vLLM v1 draws the same line
+between its scheduler and ``KVCacheManager`` (vllm/v1/core/kv_cache_manager.py).
 
-The paged manager (:class:`workbench.kv.manager.KVCacheManager`, PagedAttention: Kwon et al.,
-SOSP 2023, §4) and the contiguous baselines (:class:`workbench.kv.contiguous.ContiguousKVCacheManager`)
-implement it, and so can a plug-in (``kv_allocator="package.module:ClassName"``, constructed as
-``ClassName(num_blocks, block_size)``): subclass :class:`KVManager`, implement the abstract
-methods, and override the optional capabilities (reservation ahead, forking) it has. vLLM v1 draws
-the same line between its scheduler and ``KVCacheManager`` (vllm/v1/core/kv_cache_manager.py).
-
-Units: token counts and slot counts are tokens; block ids index ``0 .. num_blocks-1``.
+Implemented by the paged manager (:mod:`workbench.kv.manager`; PagedAttention, Kwon et al., SOSP
+2023, §4), the contiguous baselines (:mod:`workbench.kv.contiguous`) and plug-ins
+(``kv_allocator="package.module:ClassName"``, built as ``ClassName(num_blocks, block_size)``):
+implement the abstract methods, override the optional capabilities the manager has. Units: tokens
+(slots); block ids index ``0 .. num_blocks-1``.
 """
 
 from __future__ import annotations
@@ -29,18 +26,16 @@ class KVManager(ABC):
     Attributes every manager sets:
         name: the allocator's name (``"paged"``, ``"orca-max"``, ...; shown in block maps and reports).
         block_size: token slots per block.
-        block_tables: request id -> its physical block ids, logical order. Read-only for callers;
-            a request holding no blocks has no entry.
-        enable_prefix_caching: whether :meth:`find_cached_prefix` can find anything; blocks may
-            then be shared between requests (their token states are counted once).
-        supports_fork: whether :meth:`fork` can share blocks.
+        block_tables: request id -> its physical block ids, logical order (read-only for callers;
+            no entry for a request holding no blocks).
+        enable_prefix_caching: :meth:`find_cached_prefix` can find blocks, which are then shared.
+        supports_fork: :meth:`fork` shares blocks (parallel sampling, ``n > 1``, needs it).
     """
 
     name: str
     block_size: int
     block_tables: Mapping[str, list[int]]
     enable_prefix_caching: bool = False
-    #: whether :meth:`fork` shares blocks (parallel sampling, ``n > 1``, needs it)
     supports_fork: bool = False
 
     # ------------------------------------------------------------------ the pool
@@ -61,23 +56,14 @@ class KVManager(ABC):
 
     @property
     def may_share_blocks(self) -> bool:
-        """``True`` once some block may have two owners (a fork, a prefix-cache hit).
-
-        While ``False``, :meth:`allocate_slots` for tokens that the request's current blocks
-        already cover is a no-op returning ``True``, and the scheduler may skip the call (the
-        decode fast path, ``docs/benchmarks.md``).
-        """
+        """``True`` once some block may have two owners (a fork, a prefix-cache hit). While ``False``,
+        :meth:`allocate_slots` for tokens the request's blocks already cover is a no-op returning
+        ``True``, which the scheduler skips (the decode fast path, ``docs/benchmarks.md``)."""
         return False
 
     # ------------------------------------------------------------------ slots
     @abstractmethod
-    def allocate_slots(
-        self,
-        request_id: str,
-        num_total_tokens: int,
-        cached_blocks: list[int] = (),
-        write_start: int | None = None,
-    ) -> bool:
+    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks=(), write_start=None) -> bool:
         """Back slots ``0 .. num_total_tokens-1`` of the request with blocks.
 
         Args:

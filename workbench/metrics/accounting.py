@@ -112,7 +112,7 @@ def pool_usage(
         waiting_need_blocks: the first waiting request's consecutive need
             (:meth:`KVManager.reservation_blocks`); shorter free runs are external fragmentation.
     """
-    if kv.enable_prefix_caching:
+    if kv.enable_prefix_caching or kv.may_share_blocks:
         token_states = shared_token_states(kv, num_computed)
     else:
         token_states = sum(num_computed.get(r, 0) for r in kv.block_tables)
@@ -203,7 +203,7 @@ class PoolAccounting:
         kv = self.kv
         bs = kv.block_size
         holding = self.holding
-        dedupe = kv.enable_prefix_caching
+        dedupe = kv.enable_prefix_caching or kv.may_share_blocks  # a block shared by forks counts once
         computed: dict[str, int] | None = {} if (want_computed or dedupe) else None
         token_states = unwritten = 0
         num_seen = 0

@@ -1,23 +1,19 @@
 """The Llama family with paged attention: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Architecture: Touvron et al., "LLaMA" (2023) and "Llama 2" (2023); RMSNorm (Zhang &
-Sennrich, 2019); RoPE (Su et al., 2021) in the rotate-half layout of HF transformers;
-GQA (Ainslie et al., 2023); SwiGLU (Shazeer, 2020). The RoPE frequencies come from
-transformers' own ``LlamaRotaryEmbedding`` so that every ``rope_type`` it knows
-(default, linear, dynamic, yarn, llama3, ...) matches it.
+Architecture: Touvron et al., "LLaMA" (2023) and "Llama 2" (2023); RMSNorm (Zhang & Sennrich, 2019); RoPE (Su et
+al., 2021) in the rotate-half layout of HF transformers; GQA (Ainslie et al., 2023); SwiGLU (Shazeer, 2020). The
+RoPE frequencies come from transformers' own ``LlamaRotaryEmbedding`` so that every ``rope_type`` it knows (default,
+linear, dynamic, yarn, llama3, ...) matches it.
 
-The model runs a flat batch: all tokens of the step, ``[num_tokens]``, with their
-positions; K/V are written to and read from the paged cache through
-:class:`~workbench.attention.AttentionMetadata`. Q/K/V and gate/up projections are
+The model runs a flat batch: all tokens of the step, ``[num_tokens]``, with their positions; K/V are written to and
+read from the paged cache through :class:`~workbench.attention.AttentionMetadata`. Q/K/V and gate/up projections are
 fused (one matmul each), as in vLLM and Megatron-LM.
 
-Tensor parallelism: built with a :class:`~workbench.model.parallel.TensorParallelGroup`,
-each layer holds one rank's shard (column-parallel QKV and gate/up, row-parallel o/down
-with one all-reduce each, vocab-parallel embedding and LM head with a gather of logits;
-see :mod:`workbench.model.parallel`). Without one (``tp=None``) the same layers get a
-:class:`~workbench.model.parallel.SingleDeviceGroup`, which communicates nothing: the arithmetic
-is exactly the single-device one.
-"""
+Tensor parallelism: built with a :class:`~workbench.model.parallel.TensorParallelGroup`, each layer holds one rank's
+shard (column-parallel QKV and gate/up, row-parallel o/down with one all-reduce each, vocab-parallel embedding and
+LM head with a gather of logits; see :mod:`workbench.model.parallel`). Without one (``tp=None``) the same layers get
+a :class:`~workbench.model.parallel.SingleDeviceGroup`, which communicates nothing: the arithmetic is exactly the
+single-device one."""
 
 from __future__ import annotations
 
@@ -79,8 +75,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention; under tensor parallelism this rank's heads only (``num_heads``,
-    ``num_kv_heads`` are then the local counts)."""
+    """Grouped-query attention; under TP only this rank's heads (local ``num_heads``, ``num_kv_heads``)."""
 
     def __init__(self, config, tp: TensorParallelGroup) -> None:
         super().__init__()
@@ -143,15 +138,14 @@ class LlamaForCausalLM(nn.Module):
         config: a transformers ``LlamaConfig`` (or any config with the same fields).
         max_positions: length of the RoPE tables (the engine's ``max_model_len``).
         tp: this rank's tensor-parallel group; ``None`` = the whole model in one process (a
-            :class:`~workbench.model.parallel.SingleDeviceGroup`). With a group of several ranks,
-            load a shard (:func:`workbench.model.parallel.shard_hf_state_dict`).
+            :class:`~workbench.model.parallel.SingleDeviceGroup`). With several ranks, load a shard
+            (:func:`workbench.model.parallel.shard_hf_state_dict`).
     """
 
     def __init__(self, config, max_positions: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        tp = tp or SingleDeviceGroup()  # the same layers at every size
-        self.tp = tp
+        self.tp = tp = tp or SingleDeviceGroup()  # the same layers at every size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -160,8 +154,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:  # under TP: this rank's vocabulary rows, as the embedding's
-            rows = self.embed_tokens.weight.shape[0]
-            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -175,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Run the step's tokens; return logits of the tokens that sample.
+        """Run the step's tokens; return ``[num_sampling, vocab_size]`` float32 logits of the tokens that sample.
 
         Args:
             input_ids: ``[num_tokens]`` int64.
@@ -183,9 +176,6 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
             meta: the step's paged-attention layout.
             logits_indices: ``[num_sampling]`` int64, the rows of the tokens that sample.
-
-        Returns:
-            ``[num_sampling, vocab_size]`` float32 logits.
         """
         x = self.embed_tokens(input_ids)
         for layer, cache in zip(self.layers, kv_caches):
@@ -194,14 +184,9 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(x, self.lm_head_weight)  # [S, ceil(V/N)] per rank -> [S, V] on every rank
         return self.tp.gather_vocab(logits, self.config.vocab_size).float()
 
-    # ---------------------------------------------------------------- weights
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in transformers' ``LlamaForCausalLM`` (``model.layers.N...``).
-
-        Raises:
-            KeyError: a tensor the model needs is missing (names it).
-            ValueError: a tensor has the wrong shape.
-        """
+        """Load weights named as in transformers' ``LlamaForCausalLM`` (``model.layers.N...``). Raises ``KeyError``
+        (naming it) if a tensor the model needs is missing, ``ValueError`` if a tensor has the wrong shape."""
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -221,15 +206,13 @@ class LlamaForCausalLM(nn.Module):
             put(self.lm_head.weight, take("lm_head.weight"), "lm_head")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = layer.self_attn
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            put(a.qkv_proj.weight, qkv, p + "qkv_proj")
+            a, m = layer.self_attn, layer.mlp
+            put(a.qkv_proj.weight, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), p + "qkv_proj")
             put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
             if a.qkv_proj.bias is not None:
                 put(a.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv")
             if a.o_proj.bias is not None:
                 put(a.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "o_proj.bias")
-            m = layer.mlp
             gu = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             put(m.gate_up_proj.weight, gu, p + "gate_up_proj")
             put(m.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
