@@ -17,7 +17,10 @@ Processes and groups:
   ``WORLD_SIZE`` / ``MASTER_ADDR`` from the environment);
 * the compute group uses gloo on CPU and NCCL on CUDA, with ``distributed_timeout_s`` on every
   collective; step messages travel on a separate gloo group (pickled, length first) whose
-  timeout is long, so an idle engine does not time its workers out.
+  timeout is long, so an idle engine does not time its workers out;
+* after loading their shards the ranks meet on that group (``monitored_barrier``, timeout
+  ``LOAD_TIMEOUT_S`` or ``distributed_timeout_s`` if longer), so loading time, which differs by
+  rank, never counts against a collective's timeout.
 
 Failure behaviour: a spawned worker first tells rank 0 over a pipe that it has bootstrapped;
 one that dies before (a script without the ``__main__`` guard, for one) fails the engine at
@@ -64,6 +67,8 @@ log = logging.getLogger("workbench")
 
 #: Timeout of the step-message group: workers wait on it while the engine is idle.
 CONTROL_TIMEOUT = timedelta(days=7)
+#: how long the ranks wait for each other to finish loading their shards (seconds; at least distributed_timeout_s)
+LOAD_TIMEOUT_S = 600.0
 
 
 class TensorParallelError(RuntimeError):
@@ -156,12 +161,16 @@ def _recv(group):
 class _Rank:
     """One rank's shard and its local cache; executes the step messages."""
 
-    def __init__(self, rank: int, world_size: int, setup: dict) -> None:
+    def __init__(self, rank: int, world_size: int, setup: dict, ctrl) -> None:
         self.device = _rank_device(setup["device"], rank)
         self.tp = TensorParallelGroup(rank, world_size, None, self.device)
         self.model = build_model(
             setup["hf_config"], setup["state_dict"], setup["max_model_len"], setup["dtype"], self.device, self.tp
         )
+        # Loading a shard is not a collective: ranks finish at different times (rank 0 has the weights in
+        # memory, the others read the checkpoint). Meet on the control group, with a loading timeout, so
+        # the first collective below is not charged with another rank's loading time.
+        dist.monitored_barrier(group=ctrl, timeout=timedelta(seconds=max(LOAD_TIMEOUT_S, setup["timeout_s"])))
         self.local: ModelRunner | None = None
         self.comm_buffer_bytes = self._first_collectives(setup["hf_config"].hidden_size, setup["dtype"])
 
@@ -252,7 +261,7 @@ def _serve(rank: int, world_size: int, ctrl) -> None:
         cfg = setup["engine_config"]
         loaded = load_model(cfg.model, cfg.resolved_cache_dir, cfg.tokenizer)
         setup["state_dict"] = loaded.state_dict
-    rank_state = _Rank(rank, world_size, setup)
+    rank_state = _Rank(rank, world_size, setup, ctrl)
     del setup
     while True:
         msg = _recv(ctrl)
@@ -498,7 +507,7 @@ class TensorParallelExecutor(ModelExecutor):
                 None,
                 timeout,
             )
-            self._rank = _Rank(0, n, {"state_dict": state_dict, **self._setup(config, hf_config, max_model_len)})
+            self._rank = _Rank(0, n, {"state_dict": state_dict, **self._setup(config, hf_config, max_model_len)}, rt.ctrl)
         except TensorParallelError:
             raise
         except Exception as e:
@@ -523,7 +532,11 @@ class TensorParallelExecutor(ModelExecutor):
     @staticmethod
     def _setup(config, hf_config, max_model_len) -> dict:
         return dict(
-            hf_config=hf_config, max_model_len=max_model_len, dtype=config.torch_dtype, device=str(config.torch_device)
+            hf_config=hf_config,
+            max_model_len=max_model_len,
+            dtype=config.torch_dtype,
+            device=str(config.torch_device),
+            timeout_s=float(config.distributed_timeout_s),
         )
 
     def _await_workers(self, ready: list) -> None:
