@@ -211,7 +211,7 @@ def test_bad_plug_in_names_fail_clearly_before_the_model_loads(tiny_model, monke
         loads.append(a)
         raise RuntimeError("the model was loaded")
 
-    monkeypatch.setattr(workbench.engine, "LocalExecutor", no_load)
+    monkeypatch.setattr(workbench.engine, "make_executor", no_load)
     with pytest.raises(ValueError, match=match) as e:
         LLM(model=str(tiny_model), kv_allocator=name)
     assert name in str(e.value) and not loads

@@ -23,7 +23,7 @@ PACKAGES = ("workbench", "kernels")
 #: a module may import its own layer and below.
 LAYERS: dict[int, tuple[str, ...]] = {
     # plain data and the KV managers: the engine arguments, requests, sampling parameters
-    0: ("config", "request", "sampling", "kv", "units", "comm", "inputs", "outputs"),
+    0: ("config", "request", "sampling", "kv", "units", "comm", "inputs", "outputs", "plugins"),
     # what the model and the engine core build on: attention backends and kernels, communication
     # counters, the model/GPU catalogue, step statistics, the scheduler (over kv/)
     1: ("attention", "kernels", "catalog", "metrics", "scheduler"),

@@ -52,7 +52,7 @@ def test_freed_cached_blocks_stay_findable_and_are_evicted_lru():
     kv.free("old")
     _fill(kv, "new", [5, 6, 7, 8])
     kv.free("new")
-    assert kv.pool.num_free_blocks == 4 and kv.pool.num_cached_free_blocks == 4
+    assert kv.pool.num_free_blocks == 4 and len(kv.pool.cached_free_blocks()) == 4
     assert len(kv.find_cached_prefix([1, 2, 3, 4, 0])) == 2
     # 2 fresh blocks evict the least recently freed cached blocks: "old"'s
     assert kv.allocate_slots("x", 4)

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 
 import click
 
-from workbench.config import EngineConfig, is_plugin_name
+from workbench.config import EngineConfig
+from workbench.plugins import is_plugin_name
 from workbench.units import parse_size
 
 __all__ = ["parse_bytes", "dataclass_options", "engine_options", "engine_args", "bytes_fields"]

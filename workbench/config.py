@@ -18,17 +18,15 @@ from pathlib import Path
 
 import torch
 
+from workbench.comm import NCCL_MAX_CHANNELS, parse_nccl_proto
+from workbench.plugins import is_plugin_name
+
 GiB = 1 << 30
 
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    **dict.fromkeys(("float32", "fp32", "float"), torch.float32),
+    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
+    **dict.fromkeys(("float16", "fp16", "half"), torch.float16),
 }
 
 #: The model used when none is given: SmolLM2-135M-Instruct from the
@@ -68,20 +66,15 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # and the aliases of resolve_dtype
 
 
-def is_plugin_name(value) -> bool:
-    """``"package.module:ClassName"``: a plug-in named by where its class lives."""
-    return isinstance(value, str) and value.count(":") == 1 and all(p.strip() for p in value.split(":"))
-
-
-def arg(default, help: str, *, choices: tuple | None = None, minimum=None, cli: dict | bool = True, **kw):
-    """One engine argument: its default, ``help`` text, allowed ``choices`` or ``minimum``, kept in the
-    field's metadata (``validate`` checks them).
+def arg(default, help: str, *, choices: tuple | None = None, minimum=None, maximum=None, cli: dict | bool = True, **kw):
+    """One engine argument: its default, ``help`` text, allowed ``choices`` or range ``minimum .. maximum``,
+    kept in the field's metadata (``validate`` checks them).
 
     ``cli`` says how the command line shows it (read by :mod:`workbench.cli_options`): ``True`` (an
     option named after the field; a bool becomes ``--x/--no-x``), ``False`` (no option), or a dict:
     ``{"type": "bytes"}`` (a size such as ``2GiB``), ``{"aliases": ("-tp",)}``.
     """
-    meta = {"help": help, "choices": choices, "min": minimum, "cli": cli}
+    meta = {"help": help, "choices": choices, "min": minimum, "max": maximum, "cli": cli}
     return field(default=default, metadata=meta, **kw)
 
 
@@ -160,7 +153,10 @@ class EngineConfig:
         choices=ATTENTION_BACKENDS,
     )
     tensor_parallel_size: int = arg(
-        1, "ranks the model is split across (worker processes; gloo on CPU, NCCL on CUDA)", cli={"aliases": ("-tp",)}
+        1,
+        "ranks the model is split across (worker processes; gloo on CPU, NCCL on CUDA)",
+        minimum=1,
+        cli={"aliases": ("-tp",)},
     )
     distributed_executor_backend: str | None = arg(
         None,
@@ -175,8 +171,12 @@ class EngineConfig:
         minimum=1,
         cli={"type": "bytes"},
     )
-    nccl_min_nchannels: int | None = arg(None, "NCCL_MIN_NCHANNELS for every rank")
-    nccl_max_nchannels: int | None = arg(None, "NCCL_MAX_NCHANNELS for every rank")
+    nccl_min_nchannels: int | None = arg(
+        None, "NCCL_MIN_NCHANNELS for every rank", minimum=1, maximum=NCCL_MAX_CHANNELS
+    )
+    nccl_max_nchannels: int | None = arg(
+        None, "NCCL_MAX_NCHANNELS for every rank", minimum=1, maximum=NCCL_MAX_CHANNELS
+    )
     nccl_proto: str | None = arg(None, "NCCL_PROTO for every rank, e.g. Simple or ^LL128")
     cache_dir: str | None = arg(
         None, "where converted weights are cached [default: $WORKBENCH_CACHE or ~/.cache/workbench]", cli=False
@@ -216,14 +216,14 @@ class EngineConfig:
                 f"gpu_memory_utilization={u!r} must be in (0, 1]: it is the share of device "
                 "memory the engine may use; use e.g. 0.9"
             )
-        for f in fields(self):  # the declared minimums: whole numbers (or numbers) at least that
-            lo, v = f.metadata.get("min"), getattr(self, f.name)
+        for f in fields(self):  # the declared ranges: whole numbers (or numbers) from minimum to maximum
+            lo, hi, v = f.metadata.get("min"), f.metadata.get("max"), getattr(self, f.name)
             if lo is None or (v is None and f.default is None):
                 continue
             whole = str(f.type).startswith("int")
-            if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or v < lo:
-                kind = "an integer" if whole else "a number"
-                raise ValueError(f"{f.name}={v!r} must be {kind} >= {lo} ({f.metadata['help']})")
+            if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not lo <= v <= (hi or v):
+                kind, bound = "an integer" if whole else "a number", f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+                raise ValueError(f"{f.name}={v!r} must be {kind} {bound} ({f.metadata['help']})")
         mnbt = self.max_num_batched_tokens
         if mnbt is not None and mnbt < self.max_num_seqs:
             raise ValueError(
@@ -291,8 +291,6 @@ class EngineConfig:
 
     def _validate_parallel(self) -> None:
         tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size={tp!r} must be an integer >= 1 (ranks); use e.g. 1, 2 or 4")
         deb = self.distributed_executor_backend
         if deb == "uni" and tp > 1:
             raise ValueError(
@@ -302,12 +300,6 @@ class EngineConfig:
         t = self.distributed_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise ValueError(f"distributed_timeout_s={t!r} must be a positive number of seconds, e.g. 120")
-        from workbench.comm import NCCL_MAX_CHANNELS, parse_nccl_proto
-
-        for name in ("nccl_min_nchannels", "nccl_max_nchannels"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= NCCL_MAX_CHANNELS):
-                raise ValueError(f"{name}={v!r} must be an integer in [1, {NCCL_MAX_CHANNELS}] (channels)")
         lo, hi = self.nccl_min_nchannels, self.nccl_max_nchannels
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"nccl_min_nchannels={lo} > nccl_max_nchannels={hi}; make the minimum <= the maximum")

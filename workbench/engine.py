@@ -20,11 +20,11 @@ from dataclasses import replace
 import torch
 
 from workbench.attention.backend import check_backend
-from workbench.config import EngineConfig, GiB
-from workbench.executor.local import LocalExecutor
+from workbench.config import EngineConfig
+from workbench.executor import make_executor
 from workbench.inputs import Prompt, tokenize_prompt
 from workbench.kv import make_kv_manager, plugin_class
-from workbench.memory import MemoryBudget
+from workbench.memory import MemoryBudget, swap_pool_blocks
 from workbench.metrics import Recorder, request_record
 from workbench.metrics.accounting import PoolAccounting, block_map
 from workbench.metrics.stats import step_stats
@@ -34,7 +34,6 @@ from workbench.sampling import SamplingParams
 from workbench.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("workbench")
-
 
 
 def resolve_lengths(config: EngineConfig, model_max: int, whose: str) -> tuple[int, int]:
@@ -64,16 +63,6 @@ def resolve_lengths(config: EngineConfig, model_max: int, whose: str) -> tuple[i
     return max_model_len, budget
 
 
-def make_executor(config: EngineConfig):
-    """The executor of a real model: worker processes when ``config.uses_workers``, else this process.
-    It reads the model's files (config, tokenizer, weights) here; the model is built later."""
-    if config.uses_workers:
-        from workbench.executor.tensor_parallel import TensorParallelExecutor
-
-        return TensorParallelExecutor(config)
-    return LocalExecutor(config)
-
-
 class LLMEngine:
     """The serving engine: a scheduler, a KV manager and an executor, on a clock.
 
@@ -89,9 +78,6 @@ class LLMEngine:
         ValueError / FileNotFoundError: a bad argument (see :meth:`EngineConfig.validate`),
             or a KV pool that cannot hold one ``max_model_len`` sequence.
     """
-
-    #: largest pool (blocks) for which ``block_map_every`` may record per-block pictures
-    MAX_BLOCK_MAP_BLOCKS = 65_536
 
     def __init__(
         self,
@@ -117,7 +103,7 @@ class LLMEngine:
         self.load_time_s = time.perf_counter() - t0  #: seconds to read and build the model (and start workers)
         self.memory: MemoryBudget = ex.memory_budget(self.max_model_len, self.max_num_batched_tokens)
         log.info(self.memory.summary_line())
-        num_cpu_blocks = self._check_pool()
+        num_cpu_blocks = swap_pool_blocks(config, self.memory)
         ex.check_fits(self.memory, num_cpu_blocks)
         self.clock = clock or time.perf_counter
         self.kv = make_kv_manager(config, self.memory.num_blocks, num_cpu_blocks)
@@ -148,25 +134,6 @@ class LLMEngine:
     def model(self):
         """The model (rank 0's shard under tensor parallelism)."""
         return self.executor.model
-
-    def _check_pool(self) -> int:
-        """Refuse block maps of a huge pool; return the CPU swap pool's blocks (``preemption_mode="swap"``)."""
-        config, m = self.config, self.memory
-        if config.block_map_every and m.num_blocks > self.MAX_BLOCK_MAP_BLOCKS:
-            raise ValueError(
-                f"block_map_every={config.block_map_every} records a picture of every block, but the pool has "
-                f"{m.num_blocks:,} blocks (more than {self.MAX_BLOCK_MAP_BLOCKS:,}); size the pool with "
-                "num_gpu_blocks_override or kv_cache_memory_bytes, raise block_size, or set block_map_every=0"
-            )
-        if config.preemption_mode != "swap":
-            return 0
-        num_cpu_blocks = int(config.swap_space * GiB) // m.block_bytes
-        if num_cpu_blocks < 1:
-            raise ValueError(
-                f"swap_space={config.swap_space} GiB holds no KV block of {m.block_bytes:,} B; "
-                "raise swap_space or use preemption_mode='recompute'"
-            )
-        return num_cpu_blocks
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -329,7 +296,8 @@ class LLMEngine:
             group = self.groups.get(r.parent_id)
             if group is not None and all(c.is_finished for c in group):
                 del self.groups[r.parent_id]
-                outputs.append(self._output(group))
+                metrics = dict(vars(request_record(group[0], self.start_time)))  # (asdict's deep copy is slow)
+                outputs.append(RequestOutput.from_sequences(group, self.tokenizer, metrics))
         return outputs
 
     def _record_step(self, out: SchedulerOutput, finished, t_start, t_end, sched_s, result) -> None:
@@ -352,24 +320,6 @@ class LLMEngine:
         for r in finished:
             kv.forget(r.request_id)
             self.recorder.record_request(request_record(r, self.start_time))
-
-    def _output(self, group: list[Request]) -> RequestOutput:
-        outs = []
-        for req in group:
-            text = ""
-            if self.tokenizer is not None and req.output_token_ids:
-                text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            outs.append(CompletionOutput(req.index, text, list(req.output_token_ids), req.status.value))
-        first = group[0]
-        return RequestOutput(
-            request_id=first.parent_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outs,
-            finished=True,
-            error=first.error,
-            metrics=dict(vars(request_record(first, self.start_time))),  # (asdict's deep copy is slow)
-        )
 
 
 __all__ = ["CompletionOutput", "LLMEngine", "RequestOutput", "make_executor", "resolve_lengths"]

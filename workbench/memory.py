@@ -416,6 +416,35 @@ def plan_memory(
     return mb
 
 
+#: largest pool (blocks) for which ``block_map_every`` may record per-block pictures
+MAX_BLOCK_MAP_BLOCKS = 65_536
+
+
+def swap_pool_blocks(config, memory: MemoryBudget) -> int:
+    """Blocks of the CPU swap pool (``swap_space`` GiB; 0 unless ``preemption_mode="swap"``).
+
+    Raises:
+        ValueError: ``block_map_every`` asked of a pool over ``MAX_BLOCK_MAP_BLOCKS`` blocks, or a
+            ``swap_space`` that holds no block (naming the value and the fix).
+    """
+    m = memory
+    if config.block_map_every and m.num_blocks > MAX_BLOCK_MAP_BLOCKS:
+        raise ValueError(
+            f"block_map_every={config.block_map_every} records a picture of every block, but the pool has "
+            f"{m.num_blocks:,} blocks (more than {MAX_BLOCK_MAP_BLOCKS:,}); size the pool with "
+            "num_gpu_blocks_override or kv_cache_memory_bytes, raise block_size, or set block_map_every=0"
+        )
+    if config.preemption_mode != "swap":
+        return 0
+    num_cpu_blocks = int(config.swap_space * (1 << 30)) // m.block_bytes
+    if num_cpu_blocks < 1:
+        raise ValueError(
+            f"swap_space={config.swap_space} GiB holds no KV block of {m.block_bytes:,} B; "
+            "raise swap_space or use preemption_mode='recompute'"
+        )
+    return num_cpu_blocks
+
+
 def check_fits(memory: MemoryBudget, device: torch.device, num_cpu_blocks: int = 0) -> None:
     """Refuse a KV pool the machine cannot hold, before allocating it.
 

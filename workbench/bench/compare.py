@@ -19,9 +19,9 @@ from pathlib import Path
 
 from workbench.bench.datasets import default_prompts, load_prompts
 from workbench.bench.run import JobResult, run_job
-from workbench.config import is_plugin_name
 from workbench.kv.contiguous import KV_ALLOCATORS
 from workbench.metrics.waste import USED_CATEGORIES, WASTE_CATEGORIES, waste_breakdown
+from workbench.plugins import is_plugin_name
 from workbench.scheduler import BATCHING_POLICIES
 
 

@@ -19,7 +19,7 @@ from workbench.kv.interface import KVManager
 from workbench.kv.manager import cdiv
 from workbench.memory import MemoryBudget, check_fits, engine_budget, profile_activation_peak
 from workbench.model.llama import LlamaForCausalLM
-from workbench.model.loader import load_model
+from workbench.model.loader import build_model, load_model
 from workbench.sampling import sample
 from workbench.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -196,12 +196,7 @@ class ModelExecutor:
         self._state_dict = loaded.state_dict
         self.model_name = "the model's"
         self.max_position_embeddings = getattr(self.hf_config, "max_position_embeddings", None)
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_token_id = eos
+        self.eos_token_id = loaded.eos_token_id
         self.load_time_s = time.perf_counter() - t0
 
     def memory_budget(self, max_model_len: int, max_num_batched_tokens: int) -> MemoryBudget:
@@ -248,15 +243,9 @@ class LocalExecutor(ModelExecutor):
 
     def load_model(self, max_model_len: int) -> None:
         """Build the model with RoPE tables for ``max_model_len`` positions and load its weights."""
-        cfg = self.hf_config
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, max_model_len)
-        model = model.to_empty(device="cpu")
-        model.rotary = type(model.rotary)(cfg, max_model_len)  # buffers are not in the checkpoint
-        model.load_hf_state_dict(self._state_dict)
+        c = self.config
+        self.model = build_model(self.hf_config, self._state_dict, max_model_len, c.torch_dtype, self.device)
         del self._state_dict
-        self.model = model.to(device=self.device, dtype=self.config.torch_dtype).eval()
-        self.model.rotary.float()  # keep RoPE tables in float32, as transformers does
 
     def profile_activation_peak(self, num_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int) -> int:
         key = (str(self.model_folder), str(self.config.torch_dtype), str(self.device))

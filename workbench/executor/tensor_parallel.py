@@ -60,8 +60,8 @@ import torch.distributed as dist
 
 from workbench.comm import CommStats, Timed, nccl_buffer_bytes
 from workbench.executor.local import ModelExecutor, ModelInput, ModelRunner
-from workbench.model.llama import LlamaForCausalLM
-from workbench.model.parallel import TensorParallelGroup, check_tensor_parallel, shard_hf_state_dict
+from workbench.model.loader import build_model
+from workbench.model.parallel import TensorParallelGroup, check_tensor_parallel
 
 log = logging.getLogger("workbench")
 
@@ -97,20 +97,6 @@ def modelled_comm_buffer_bytes(config, world_size: int) -> int:
         min_nchannels=config.nccl_min_nchannels,
         max_nchannels=config.nccl_max_nchannels,
     ).per_rank_bytes
-
-
-def build_model(hf_config, state_dict, max_model_len: int, dtype, device, tp: TensorParallelGroup | None):
-    """The model (whole, or ``tp``'s shard of it) with its weights, on ``device`` in ``dtype``."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, max_model_len, tp)
-    model = model.to_empty(device="cpu")
-    model.rotary = type(model.rotary)(hf_config, max_model_len)  # buffers are not in the checkpoint
-    if tp is not None:
-        state_dict = shard_hf_state_dict(state_dict, hf_config, tp.rank, tp.world_size)
-    model.load_hf_state_dict(state_dict)
-    model = model.to(device=device, dtype=dtype).eval()
-    model.rotary.float()  # RoPE tables stay float32, as in transformers
-    return model
 
 
 def _move(obj, device):
@@ -507,7 +493,9 @@ class TensorParallelExecutor(ModelExecutor):
                 None,
                 timeout,
             )
-            self._rank = _Rank(0, n, {"state_dict": state_dict, **self._setup(config, hf_config, max_model_len)}, rt.ctrl)
+            self._rank = _Rank(
+                0, n, {"state_dict": state_dict, **self._setup(config, hf_config, max_model_len)}, rt.ctrl
+            )
         except TensorParallelError:
             raise
         except Exception as e:

@@ -1,33 +1,17 @@
 """KV-cache managers behind one interface (:class:`~workbench.kv.interface.KVManager`): paged
 allocation (block pool, block tables, prefix caching, swap) and the contiguous baselines."""
 
-import importlib
-
 from workbench.kv.block_pool import BlockPool
 from workbench.kv.interface import KVManager
 from workbench.kv.manager import KVCacheManager
+from workbench.plugins import load_plugin
 
 
 def plugin_class(name: str) -> type[KVManager]:
-    """The class a plug-in allocator name ``"package.module:ClassName"`` points to.
-
-    Raises:
-        ValueError: the module cannot be imported, has no such class, or the class does not
-            implement :class:`~workbench.kv.interface.KVManager` (the message names the value).
-    """
-    module, _, cls_name = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), cls_name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(
-            f"kv_allocator={name!r}: cannot load {cls_name!r} from module {module!r} ({e}); give "
-            "'package.module:ClassName' of an importable KVManager subclass, or a built-in allocator"
-        ) from None
-    if not (isinstance(cls, type) and issubclass(cls, KVManager)):
-        raise ValueError(
-            f"kv_allocator={name!r} is not a KVManager subclass; implement workbench.kv.interface.KVManager"
-        )
-    return cls
+    """The :class:`~workbench.kv.interface.KVManager` subclass a plug-in allocator name
+    ``"package.module:ClassName"`` points to; ``ValueError`` naming the value if it does not load
+    (:func:`workbench.plugins.load_plugin`)."""
+    return load_plugin("kv_allocator", name, KVManager)
 
 
 def make_kv_manager(config, num_blocks: int, num_cpu_blocks: int = 0) -> KVManager:

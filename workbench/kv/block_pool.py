@@ -38,15 +38,6 @@ class BlockPool:
         """Blocks with no owner (cached ones included: they can be handed out)."""
         return len(self._free)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold a cached prefix block (reusable by a hit)."""
-        return sum(1 for b in self._free if self.block_hash[b] is not None)
-
     def cached_free_blocks(self) -> list[int]:
         """The free blocks that still hold a cached prefix block, in eviction order."""
         return [b for b in self._free if self.block_hash[b] is not None]

@@ -143,29 +143,15 @@ class KVCacheManager(KVManager):
         bs = self.block_size
         table = self.block_tables.get(request_id)
         have = len(table) if table else 0
-        if have * bs >= num_total_tokens and not cached_blocks:
-            # the common step of a running request (a decode inside its last block): nothing to
-            # allocate; only a shared block in the written range needs a copy
-            if write_start is None:
-                return True
-            ref = self.pool.ref_cnt
-            lo = write_start // bs
-            hi = -(-num_total_tokens // bs)
-            if hi - lo == 1:
-                if ref[table[lo]] <= 1:
-                    return True
-            elif all(ref[table[i]] <= 1 for i in range(lo, hi)):
-                return True
         need = max(0, cdiv(num_total_tokens, bs) - have - len(cached_blocks))
-        cow = []
-        if table and write_start is not None:
-            cow = [
-                i
-                for i in range(write_start // bs, min(have, cdiv(num_total_tokens, bs)))
-                if self.pool.ref_cnt[table[i]] > 1
-            ]
+        ref = self.pool.ref_cnt
+        cow = []  # shared blocks in the written range (none can be shared before the pool ever shares one)
+        if table and write_start is not None and self.pool.ever_shared:
+            cow = [i for i in range(write_start // bs, min(have, cdiv(num_total_tokens, bs))) if ref[table[i]] > 1]
+        if not (need or cow or cached_blocks):
+            return True  # the common step of a running request: a decode inside its last block
         # hits on free cached blocks leave the free queue: they are not available for new blocks
-        reclaimed = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
+        reclaimed = sum(1 for b in cached_blocks if ref[b] == 0)
         if need + len(cow) > self.pool.num_free_blocks - reclaimed:
             return False
         if table is None:

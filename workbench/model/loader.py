@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from workbench.config import DEFAULT_MODEL
+from workbench.model.llama import LlamaForCausalLM
+from workbench.model.parallel import shard_hf_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,14 @@ class LoadedModel:
     tokenizer: object | None
     folder: Path
     source: Path
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's EOS token, else the config's (the first of a list), else ``None``."""
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        return (eos[0] if eos else None) if isinstance(eos, list) else eos
 
 
 def bundled_model_path() -> Path:
@@ -206,3 +216,19 @@ def load_model(model: str, cache_dir: Path, tokenizer: str | None = None) -> Loa
         sd = _read_safetensors(folder)
     tok = _load_tokenizer(Path(tokenizer).expanduser()) if tokenizer else _load_tokenizer(folder)
     return LoadedModel(hf_config=cfg, state_dict=sd, tokenizer=tok, folder=folder, source=source)
+
+
+def build_model(hf_config, state_dict: dict, max_model_len: int, dtype: torch.dtype, device, tp=None):
+    """The model (whole, or tensor-parallel group ``tp``'s shard of it) with RoPE tables for
+    ``max_model_len`` positions and its weights, on ``device`` in ``dtype`` (RoPE tables stay
+    float32, as in transformers). ``state_dict``: HF-named tensors (:func:`load_model`)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config, max_model_len, tp)
+    model = model.to_empty(device="cpu")
+    model.rotary = type(model.rotary)(hf_config, max_model_len)  # buffers are not in the checkpoint
+    if tp is not None:
+        state_dict = shard_hf_state_dict(state_dict, hf_config, tp.rank, tp.world_size)
+    model.load_hf_state_dict(state_dict)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rotary.float()
+    return model
