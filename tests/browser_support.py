@@ -1,0 +1,233 @@
+"""What the real-browser tests and the chapter review share: JupyterLab on loopback over a copy of
+``labs/`` (outputs cleared, the news prompt off, every cell in the DOM), a headless Chromium driven
+by Playwright, and the page checks (error outputs, plotly traces, wrapped table cells).
+
+Chromium is Debian's ``chromium`` (``apt-get install chromium``) or ``$WORKBENCH_CHROMIUM``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+
+def find_chromium() -> str | None:
+    """Path of a Chromium binary (``$WORKBENCH_CHROMIUM``, ``chromium``, ``chromium-browser``), or ``None``."""
+    for c in (os.environ.get("WORKBENCH_CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser")):
+        if c and Path(c).exists():
+            return c
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def copy_labs(dest: Path) -> Path:
+    """A copy of ``labs/`` whose notebooks have no stored outputs (the browser sees only what it runs)."""
+    shutil.copytree(REPO / "labs", dest)
+    for path in dest.glob("*.ipynb"):
+        nb = json.loads(path.read_text())
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                cell["outputs"], cell["execution_count"] = [], None
+        path.write_text(json.dumps(nb, indent=1))
+    return dest
+
+
+@contextlib.contextmanager
+def jupyterlab(workdir: Path) -> Iterator[tuple[str, str, Path]]:
+    """Start JupyterLab on 127.0.0.1 over a cleared copy of ``labs/`` in ``workdir``; yield
+    ``(base url, token, notebooks folder)``; stop it by its PID on leaving, also on failure."""
+    root = copy_labs(workdir / "labs")
+    # every cell in the DOM (JupyterLab 4 virtualises off-screen cells by default), no news prompt
+    settings = workdir / "settings" / "@jupyterlab"
+    (settings / "notebook-extension").mkdir(parents=True)
+    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    (settings / "apputils-extension").mkdir(parents=True)
+    (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    port, token = free_port(), "workbench-browser-test"
+    env = os.environ | {"JUPYTER_CONFIG_DIR": str(workdir / "cfg"), "JUPYTER_RUNTIME_DIR": str(workdir / "rt")}
+    log = workdir / "jupyterlab.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                f"--port={port}",
+                "--ip=127.0.0.1",
+                f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={root}",
+                f"--LabApp.user_settings_dir={workdir / 'settings'}",
+                "--allow-root",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError("JupyterLab exited: " + log.read_text()[-2000:]) from None
+                time.sleep(1)
+        yield base, token, root
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def error_texts(page) -> list[str]:
+    """Texts of error outputs (tracebacks) on the page."""
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    return [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
+
+
+def open_notebook(page, base: str, token: str, name: str) -> None:
+    """Open ``name`` and wait until its kernel is idle."""
+    page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=120_000)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
+
+
+def cell_prompts(page) -> list[str]:
+    return [t.strip() for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]
+
+
+def all_ran(prompts: list[str]) -> bool:
+    return bool(prompts) and all(t not in ("[*]:", "[ ]:", "") for t in prompts)
+
+
+def run_all_cells(page, timeout_s: float = 600) -> tuple[bool, int]:
+    """Run > Run All Cells, and wait until every code cell shows an execution count.
+
+    A kernel that is still connecting can drop the queued cells (they end as ``[ ]`` with the kernel
+    idle, nothing run); then the command is given again, at most 3 times. Returns ``(all cells ran,
+    attempts)``; stops early when a cell raised (see :func:`error_texts`).
+    """
+    deadline = time.time() + timeout_s
+    tries = 0
+    for tries in range(1, 4):  # noqa: B007  (returned)
+        page.locator(".jp-Notebook").first.click()
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        started = time.time()
+        dropped = False
+        while time.time() < deadline:
+            prompts = cell_prompts(page)
+            if all_ran(prompts):
+                return True, tries
+            idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+            if idle and "[*]:" not in prompts and time.time() - started > 20:
+                dropped = True  # nothing running, cells not run: an error stopped it, or it was dropped
+                break
+            time.sleep(2)
+        if not dropped or error_texts(page):
+            break
+    return all_ran(cell_prompts(page)), tries
+
+
+def empty_plots(page) -> list[int]:
+    """Indexes of the plotly figures on the page that have no trace, or only traces without data."""
+    return page.evaluate(
+        """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map((el, i) => {
+              const data = el.data || [];
+              const has = data.some(t => ['x', 'y', 'z', 'values', 'cells', 'header']
+                  .some(k => t[k] !== undefined && t[k] !== null && (t[k].length === undefined || t[k].length > 0)));
+              return has ? -1 : i;
+           }).filter(i => i >= 0)"""
+    )
+
+
+def wrapped_table_cells(page) -> list[str]:
+    """Texts of HTML table cells in outputs whose content wraps onto a second line (a number split in two)."""
+    return page.evaluate(
+        """() => Array.from(document.querySelectorAll('.jp-OutputArea-output table td, .jp-OutputArea-output table th'))
+              .filter(c => {
+                  const text = c.innerText.trim();
+                  if (!text) return false;
+                  const lh = parseFloat(getComputedStyle(c).lineHeight) || 1.2 * parseFloat(getComputedStyle(c).fontSize);
+                  const r = document.createRange(); r.selectNodeContents(c);
+                  const lines = new Set(Array.from(r.getClientRects()).map(q => Math.round(q.top)));
+                  return lines.size > 1 && /\\d/.test(text);
+              }).map(c => c.innerText.trim()).slice(0, 20)"""
+    )
+
+
+def text_tables(page) -> list[str]:
+    """Plain-text outputs that look like aligned tables (three or more lines with runs of spaces
+    between columns): tables must be HTML, so that numbers never wrap."""
+    return page.evaluate(
+        """() => Array.from(document.querySelectorAll(
+                '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stdout"], ' +
+                '.jp-OutputArea-output[data-mime-type="text/plain"]'))
+              .map(el => el.innerText)
+              .filter(t => t.split('\\n').filter(l => /\\S {2,}\\S+ {2,}\\S/.test(l)).length >= 3)
+              .map(t => t.slice(0, 200))"""
+    )
+
+
+def show_file_browser(page) -> None:
+    """Open the left sidebar's file browser (as a learner's JupyterLab has it)."""
+    if page.locator("#filebrowser").is_visible():
+        return
+    tab = page.locator(".jp-SideBar [data-id='filebrowser']")
+    if tab.count():
+        tab.first.click()
+        page.locator("#filebrowser").wait_for(state="visible", timeout=10_000)
+
+
+def full_notebook_screenshot(page, path: Path, width: int, max_height: int = 30_000) -> None:
+    """A screenshot of the whole notebook at ``width`` px: the viewport is made as tall as the
+    notebook's scrolled content (up to ``max_height``), so nothing is cut off at the fold."""
+    page.set_viewport_size({"width": width, "height": 900})
+    page.wait_for_timeout(500)
+    content = page.evaluate(
+        """() => Math.max(...Array.from(document.querySelectorAll(
+                '.jp-NotebookPanel .jp-WindowedPanel-outer, .jp-NotebookPanel .jp-Notebook'))
+              .map(el => el.scrollHeight), 0)"""
+    )
+    height = min(max_height, max(900, int(content) + 200))
+    page.set_viewport_size({"width": width, "height": height})
+    page.wait_for_timeout(1500)  # plotly relayouts to the new size
+    page.evaluate(
+        """() => document.querySelectorAll('.jp-NotebookPanel .jp-WindowedPanel-outer, .jp-NotebookPanel .jp-Notebook')
+              .forEach(el => { el.scrollTop = 0; })"""
+    )
+    page.wait_for_timeout(300)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path))

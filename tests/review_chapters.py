@@ -1,0 +1,167 @@
+"""The visual review loop: every chapter opened in JupyterLab in a headless Chromium, run, checked and
+photographed at a laptop width (1366 px, file browser open) and a wide one.
+
+    python tests/review_chapters.py --out runs/review                 # every chapter
+    python tests/review_chapters.py --out runs/review --chapter 02 --chapter 07
+
+Writes ``<out>/<chapter>-<width>.png`` (the whole notebook, not just the first screen),
+``<out>/review.json`` (per chapter: cells run, error outputs, plotly figures and those without data,
+HTML table cells that wrap, plain-text tables) and ``<out>/index.html`` (the screenshots side by side,
+with the problems found) to look at before calling a chapter done. ``tests/test_chapter_review.py``
+runs it in ``make test`` and asserts what can be asserted; reading the screenshots is a person's job.
+Exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from browser_support import (  # noqa: E402  (tests/ is not a package)
+    CHROMIUM_FLAGS,
+    REPO,
+    empty_plots,
+    error_texts,
+    find_chromium,
+    full_notebook_screenshot,
+    jupyterlab,
+    open_notebook,
+    run_all_cells,
+    show_file_browser,
+    text_tables,
+    wrapped_table_cells,
+)
+
+LAPTOP_WIDTH, WIDE_WIDTH = 1366, 1920
+
+
+def chapters(selected: tuple[str, ...] = ()) -> list[str]:
+    """Notebook names in ``labs/``, all or those whose name starts with one of ``selected`` (e.g. ``"07"``)."""
+    names = sorted(p.name for p in (REPO / "labs").glob("[0-9][0-9]_*.ipynb"))
+    if selected:
+        names = [n for n in names if any(n.startswith(s) for s in selected)]
+        if not names:
+            raise click.BadParameter(f"no chapter starts with {', '.join(selected)}; see labs/")
+    return names
+
+
+def problems(result: dict) -> list[str]:
+    """What a chapter's review found wrong, as sentences (empty when it passed)."""
+    out = []
+    if not result["all_ran"]:
+        out.append(f"cells not all run (after {result['attempts']} attempt(s))")
+    out += [f"error output: {e[:300]}" for e in result["errors"]]
+    if result["num_plots"] and result["empty_plots"]:
+        out.append(f"plotly figures without data: {result['empty_plots']}")
+    out += [f"table cell wraps: {c!r}" for c in result["wrapped_cells"]]
+    out += [f"text table (make it HTML): {t[:120]!r}" for t in result["text_tables"]]
+    return out
+
+
+def review_chapter(page, base: str, token: str, name: str, out: Path, widths, timeout_s: float) -> dict:
+    """Run one chapter in the browser, check it and photograph it at each width."""
+    t0 = time.time()
+    page.set_viewport_size({"width": widths[0], "height": 900})
+    open_notebook(page, base, token, name)
+    show_file_browser(page)
+    ran, attempts = run_all_cells(page, timeout_s)
+    page.wait_for_timeout(2000)  # the last figures draw
+    result = {
+        "chapter": name,
+        "all_ran": ran,
+        "attempts": attempts,
+        "errors": error_texts(page),
+        "num_plots": page.locator(".js-plotly-plot").count(),
+        "empty_plots": empty_plots(page),
+        "wrapped_cells": [],
+        "text_tables": text_tables(page),
+        "screenshots": [],
+    }
+    stem = name.removesuffix(".ipynb")
+    for w in widths:
+        shot = out / f"{stem}-{w}.png"
+        full_notebook_screenshot(page, shot, w)
+        # wrapping depends on the width: check at each
+        result["wrapped_cells"] += [c for c in wrapped_table_cells(page) if c not in result["wrapped_cells"]]
+        result["screenshots"].append(shot.name)
+    result["seconds"] = round(time.time() - t0, 1)
+    result["problems"] = problems(result)
+    # leave the kernel: the next chapter starts its own
+    page.evaluate("() => window.jupyterapp && window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+    return result
+
+
+def write_index(out: Path, results: list[dict]) -> None:
+    rows = []
+    for r in results:
+        issues = "".join(f"<li>{html.escape(p)}</li>" for p in r["problems"]) or "<li>no problem found</li>"
+        shots = "".join(
+            f'<a href="{s}"><img src="{s}" style="width:{96 // len(r["screenshots"])}%;vertical-align:top"></a>'
+            for s in r["screenshots"]
+        )
+        rows.append(f"<h2>{html.escape(r['chapter'])} ({r['seconds']} s)</h2><ul>{issues}</ul>{shots}")
+    (out / "index.html").write_text(
+        "<!doctype html><meta charset=utf-8><title>chapter review</title>"
+        "<body style='font-family:sans-serif'>" + "".join(rows) + "</body>"
+    )
+
+
+def review(names: list[str], out: Path, widths=(LAPTOP_WIDTH, WIDE_WIDTH), timeout_s: float = 900) -> list[dict]:
+    """Review ``names`` (notebooks in ``labs/``) into ``out``; returns one result per chapter.
+
+    Raises:
+        RuntimeError: no Chromium or no Playwright (say how to install them).
+    """
+    chromium = find_chromium()
+    if chromium is None:
+        raise RuntimeError("no Chromium found: apt-get install chromium, or set WORKBENCH_CHROMIUM")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        raise RuntimeError("playwright is not installed: pip install playwright") from None
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="workbench-review-") as tmp, jupyterlab(Path(tmp)) as (base, token, _):
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+            for name in names:
+                page = browser.new_page(viewport={"width": widths[0], "height": 900})
+                try:
+                    results.append(review_chapter(page, base, token, name, out, widths, timeout_s))
+                finally:
+                    page.close()
+                (out / "review.json").write_text(json.dumps(results, indent=1))
+                write_index(out, results)
+            browser.close()
+    return results
+
+
+@click.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/review"), show_default=True)
+@click.option("--chapter", "selected", multiple=True, help="a chapter's number (02) or name prefix; repeatable")
+@click.option("--width", "widths", multiple=True, type=int, help="viewport widths in px [default: 1366 and 1920]")
+@click.option("--timeout", "timeout_s", default=900.0, show_default=True, help="seconds one chapter may run")
+def main(out: Path, selected: tuple[str, ...], widths: tuple[int, ...], timeout_s: float) -> None:
+    """Run every chapter in a real browser, check it, and save full-notebook screenshots."""
+    results = review(chapters(selected), out, widths or (LAPTOP_WIDTH, WIDE_WIDTH), timeout_s)
+    bad = 0
+    for r in results:
+        click.echo(f"{r['chapter']:<34} {r['seconds']:>6.1f} s  {r['num_plots']:>2} figures  " + (
+            "ok" if not r["problems"] else f"{len(r['problems'])} problem(s)"))
+        for p in r["problems"]:
+            click.echo(f"    - {p}")
+        bad += bool(r["problems"])
+    click.echo(f"screenshots and index: {out / 'index.html'}")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
