@@ -11,6 +11,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, lab_run, lab_trace
+from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, budget_colour
 
 MiB = 1 << 20
 
@@ -58,8 +59,22 @@ def budget_figure(memory: dict, title: str = "Where the memory goes") -> go.Figu
     """One horizontal stacked bar of :func:`budget_rows`, in MiB."""
     fig = go.Figure()
     for name, b in budget_rows(memory):
-        fig.add_bar(y=["device"], x=[b / MiB], name=name, orientation="h", hovertemplate=f"{name}: %{{x:,.1f}} MiB")
-    fig.update_layout(barmode="stack", title=title, xaxis_title="MiB", height=260, legend_orientation="h")
+        fig.add_bar(
+            y=["device"],
+            x=[b / MiB],
+            name=name,
+            orientation="h",
+            marker_color=budget_colour(name),
+            hovertemplate=f"{name}: %{{x:,.1f}} MiB<extra></extra>",
+        )
+    fig.update_layout(
+        barmode="stack",
+        title=title,
+        xaxis_title="device memory (MiB)",
+        height=300,
+        legend=LEGEND_ABOVE | {"traceorder": "normal"},
+        margin={"t": LEGEND_ABOVE_MARGIN + 20},
+    )
     return fig
 
 
@@ -279,7 +294,8 @@ def print_batch(step: Sequence[dict[str, Any]]) -> None:
 
 
 def block_table_figure(step: Sequence[dict[str, Any]], num_blocks: int) -> go.Figure:
-    """Logical blocks (rows: requests) -> physical blocks (x), as a scatter with arrows-like labels."""
+    """Logical blocks (rows: requests) -> physical blocks (x): one square per block-table entry,
+    at its physical block id, numbered with its logical index (0 = the request's first block)."""
     fig = go.Figure()
     for b in step:
         tb = b["block_table"]
@@ -287,17 +303,19 @@ def block_table_figure(step: Sequence[dict[str, Any]], num_blocks: int) -> go.Fi
             x=tb,
             y=[b["request_id"]] * len(tb),
             mode="markers+text",
-            text=[f"L{i}" for i in range(len(tb))],
-            textposition="top center",
-            marker={"size": 14, "symbol": "square"},
+            text=[str(i) for i in range(len(tb))],
+            textposition="middle center",
+            textfont={"size": 9, "color": "white"},
+            marker={"size": 15, "symbol": "square"},
             name=b["request_id"],
             hovertemplate="logical block %{text} -> physical block %{x}<extra>" + b["request_id"] + "</extra>",
         )
     fig.update_layout(
-        title="Block tables: each request's logical blocks (L0, L1, ...) land anywhere in the pool",
-        xaxis={"title": "physical block id", "range": [-1, num_blocks]},
-        yaxis={"title": "request"},
-        height=300,
+        title="Block tables: logical blocks 0, 1, 2, ... of each request land anywhere in the pool",
+        xaxis={"title": f"physical block id (pool of {num_blocks:,} blocks)", "range": [-1, num_blocks]},
+        yaxis={"title": "request", "type": "category"},
+        height=max(260, 140 + 40 * len(step)),
+        showlegend=False,
     )
     return fig
 

@@ -36,6 +36,7 @@ import plotly.graph_objects as go
 from workbench.bench.datasets import PromptRecord, default_prompts
 from workbench.labs.panel import RunButtonThread, _accepts
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_arg_names, check_engine_args
+from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN
 
 __all__ = [
     "CHUNKED_ENGINE_DEFAULTS",
@@ -340,7 +341,8 @@ def tradeoff_figure(rows: Sequence[dict], *, widget: bool = False):
                 y=[1000 * r["itl_p99_s"] for r in rs],
                 text=[r["label"] for r in rs],
                 mode="lines+markers+text" if pct == "p99" else "lines+markers",
-                textposition="top center",
+                textposition="middle right",
+                cliponaxis=False,
                 marker=dict(symbol=symbol, size=10 if pct == "p99" else 7),
                 line=dict(dash=dash),
                 name=f"{name}: TTFT {pct}",
@@ -348,9 +350,11 @@ def tradeoff_figure(rows: Sequence[dict], *, widget: bool = False):
             )
     fig.update_layout(
         title="The token budget moves latency between first tokens and the tokens after",
-        xaxis_title="TTFT (ms)",
-        yaxis_title="inter-token latency p99 (ms)",
-        height=420,
+        xaxis={"title": {"text": "TTFT (ms)"}, "rangemode": "tozero"},
+        yaxis={"title": {"text": "inter-token latency p99 (ms)"}, "rangemode": "tozero"},
+        height=460,
+        legend=LEGEND_ABOVE,
+        margin={"t": LEGEND_ABOVE_MARGIN, "r": 90},
     )
     return fig
 
@@ -370,7 +374,8 @@ def steps_figure(results: dict[str, ArrivalResult], title: str = "Tokens per ste
             y = [getattr(s, field) for s in steps]
             fig.add_bar(x=x, y=y, name=name, marker_color=color, showlegend=i == 1, row=i, col=1)
     fig.update_layout(barmode="stack", title=title, height=160 * len(results) + 80, bargap=0)
-    fig.update_xaxes(title_text="step", row=len(results), col=1)
+    fig.update_xaxes(title_text="engine step", row=len(results), col=1)
+    fig.update_yaxes(tickformat=",d", rangemode="tozero")
     return fig
 
 

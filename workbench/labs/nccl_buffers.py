@@ -27,6 +27,7 @@ from workbench.labs.multigpu_common import (
     sim_hardware,
     sim_run_row,
 )
+from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN
 
 __all__ = [
     "BUFFER_CONFIGS",
@@ -139,8 +140,8 @@ def buffer_figure(
     fig.update_layout(
         title="NCCL buffers per rank (model): channels x (NCCL_BUFFSIZE + LL + LL128 buffers)",
         xaxis={"title": "channels", "type": "log", "tickvals": list(channels)},
-        yaxis={"title": "MiB per rank", "type": "log"},
-        height=420,
+        yaxis={"title": "buffer memory per rank (MiB)", "type": "log", "dtick": 1},
+        height=440,
     )
     return fig
 
@@ -282,16 +283,18 @@ def sim_buffer_figure(rows: Sequence[dict[str, Any]]) -> go.Figure:
         rs = {f"{r['tensor_parallel_size']} x {r['gpu']}": r for r in rows if r["config"] == name}
         fig.add_bar(
             x=setups,
-            y=[rs[s]["output_tok_s"] / base[s] for s in setups],
+            y=[rs[s]["output_tok_s"] / base[s] - 1 for s in setups],
             name=name,
             customdata=[[rs[s]["output_tok_s"], rs[s]["num_blocks"]] for s in setups],
-            hovertemplate="%{y:.3f}x: %{customdata[0]:,.0f} tok/s, %{customdata[1]:,} blocks",
+            hovertemplate="%{y:+.1%}: %{customdata[0]:,.0f} tok/s, %{customdata[1]:,} blocks",
         )
     fig.update_layout(
         barmode="group",
         title="Simulated throughput vs the default buffers (long requests: the KV pool binds at TP=4)",
-        yaxis={"title": "output tokens/s, relative to the default", "range": [0.85, 1.02]},
-        height=400,
+        yaxis={"title": "output tokens/s, change vs the default (%)", "tickformat": "+.1%", "zeroline": True},
+        height=420,
+        legend=LEGEND_ABOVE,
+        margin={"t": LEGEND_ABOVE_MARGIN},
     )
     return fig
 
@@ -396,9 +399,17 @@ class BufferPanel(_Panel):
         self.figure.add_scatter(x=[], y=[], name="output tok/s", yaxis="y2", mode="markers", marker={"size": 12})
         self.figure.update_layout(
             title=f"{model}: buffers, KV blocks and simulated throughput",
-            yaxis={"title": "KV blocks per GPU"},
-            yaxis2={"title": "output tokens/s", "overlaying": "y", "side": "right"},
-            height=360,
+            yaxis={"title": "KV blocks per GPU", "rangemode": "tozero", "tickformat": ",d"},
+            yaxis2={
+                "title": "output tokens/s",
+                "overlaying": "y",
+                "side": "right",
+                "rangemode": "tozero",
+                "showgrid": False,
+            },
+            height=380,
+            legend=LEGEND_ABOVE,
+            margin={"t": LEGEND_ABOVE_MARGIN},
         )
         self._build(controls, self.figure)
 

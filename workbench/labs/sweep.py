@@ -45,6 +45,7 @@ import plotly.graph_objects as go
 
 from workbench.labs.panel import RunButtonThread
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_arg_names, check_engine_args, lab_run, lab_trace
+from workbench.viz.common import count_colour_range, share_colour_range
 
 __all__ = [
     "METRICS",
@@ -503,6 +504,29 @@ def _short(metric: str, v: float) -> str:
     return f"{v:,.1f}"
 
 
+def _colour_range(metric: str, z: Sequence[Sequence[float | None]]) -> dict[str, Any]:
+    """``zmin``/``zmax`` for a metric's heatmap: shares from 0% to their rounded maximum, counts
+    from 0 (at least 0…1, so an all-zero grid is one colour), timings and rates from the data."""
+    values = [v for row in z for v in row if v is not None]
+    if metric in ("kv_utilization", "fragmentation_rate"):
+        lo, hi = share_colour_range(values)
+    elif metric == "preemptions":
+        lo, hi = count_colour_range(values)
+    else:
+        return {"zauto": True}
+    return {"zmin": lo, "zmax": hi, "zauto": False}
+
+
+def _colorbar(metric: str) -> dict[str, Any]:
+    unit = METRICS[metric][1]
+    bar: dict[str, Any] = {"title": {"text": unit, "side": "right"}, "thickness": 10}
+    if metric in ("kv_utilization", "fragmentation_rate"):
+        bar["tickformat"] = ".0%"
+    elif metric == "preemptions":
+        bar["tickformat"] = ",d"
+    return bar
+
+
 def heatmap_figure(grid: Mapping[str, Any], rows: Sequence[dict | None], metric: str, *, widget: bool = False):
     """A heatmap of one metric over the grid: the first argument across, the others down.
 
@@ -531,14 +555,15 @@ def heatmap_figure(grid: Mapping[str, Any], rows: Sequence[dict | None], metric:
         text=text,
         texttemplate="%{text}",
         colorscale="Viridis" if higher else "Viridis_r",
-        colorbar=dict(title=dict(text=unit, side="right"), thickness=10),
+        colorbar=_colorbar(metric),
+        **_colour_range(metric, z),
         hovertemplate=f"{xname}=%{{x}}<br>%{{y}}<br>{title}: %{{text}}<extra></extra>",
         xgap=2,
         ygap=2,
         name=metric,
     )
     fig.update_layout(
-        title=dict(text=title, font_size=13),
+        title=dict(text=f"{title} ({unit})", font_size=13),
         xaxis=dict(title=xname, type="category"),
         yaxis=dict(title=yname, type="category", autorange="reversed"),
         height=max(220, 90 + 45 * len(ys)),
@@ -705,3 +730,4 @@ class SweepPanel(RunButtonThread):
             with fig.batch_update():
                 fig.data[0].z = z
                 fig.data[0].text = text
+                fig.data[0].update(_colour_range(m, z))

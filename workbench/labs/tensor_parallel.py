@@ -32,6 +32,7 @@ from workbench.labs.multigpu_common import (
     sim_run_row,
 )
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
+from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, percent_axis, share_colour_range
 
 __all__ = [
     "TPRunPanel",
@@ -400,18 +401,25 @@ def sim_tp_figure(rows: Sequence[dict[str, Any]]) -> go.Figure:
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("output tokens/s (simulated)", "all-reduce share of step time"))
-    for link in dict.fromkeys(r["interconnect"] for r in rows):
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+    for i, link in enumerate(dict.fromkeys(r["interconnect"] for r in rows)):
         rs = [r for r in rows if r["interconnect"] == link]
         x = [r["tensor_parallel_size"] for r in rs]
-        fig.add_scatter(x=x, y=[r["output_tok_s"] for r in rs], name=link, legendgroup=link, row=1, col=1)
-        fig.add_scatter(
-            x=x, y=[r["allreduce_share"] for r in rs], name=link, legendgroup=link, showlegend=False, row=1, col=2
-        )
+        style = {"name": link, "legendgroup": link, "line": {"color": palette[i % len(palette)]}}
+        fig.add_scatter(x=x, y=[r["output_tok_s"] for r in rs], **style, row=1, col=1)
+        fig.add_scatter(x=x, y=[r["allreduce_share"] for r in rs], **style, showlegend=False, row=1, col=2)
     fig.update_xaxes(
         title_text="tensor_parallel_size (GPUs)", tickvals=sorted({r["tensor_parallel_size"] for r in rows})
     )
-    fig.update_yaxes(tickformat=".0%", row=1, col=2)
-    fig.update_layout(height=380, title=f"{rows[0]['model']} on {rows[0]['gpu']}: NVLink vs PCIe")
+    fig.update_yaxes(title_text="output tokens/s", rangemode="tozero", row=1, col=1)
+    top = max(r["allreduce_share"] for r in rows)
+    fig.update_yaxes(percent_axis(0, min(1.0, share_colour_range([top])[1])), row=1, col=2)
+    fig.update_layout(
+        height=400,
+        title=f"{rows[0]['model']} on {rows[0]['gpu']}: NVLink vs PCIe",
+        legend=LEGEND_ABOVE,
+        margin={"t": LEGEND_ABOVE_MARGIN},
+    )
     return fig
 
 
@@ -529,9 +537,11 @@ class TPSimPanel(_Panel):
         self.figure.add_scatter(x=[], y=[], name="all-reduce share", yaxis="y2", mode="markers", marker={"size": 12})
         self.figure.update_layout(
             title=f"{model}: simulated runs",
-            yaxis={"title": "output tokens/s"},
-            yaxis2={"title": "all-reduce share", "overlaying": "y", "side": "right", "tickformat": ".0%"},
-            height=360,
+            yaxis={"title": "output tokens/s", "rangemode": "tozero"},
+            yaxis2={"overlaying": "y", "side": "right", "showgrid": False} | percent_axis(title="all-reduce share"),
+            height=380,
+            legend=LEGEND_ABOVE,
+            margin={"t": LEGEND_ABOVE_MARGIN},
         )
         self._build(controls, self.figure)
 

@@ -22,6 +22,28 @@ MEMORY_CATEGORIES: tuple[tuple[str, str, str], ...] = (
     ("free", "free", "#c7c7c7"),
 )
 
+#: Colours of the parts of a device's memory budget (chapter 1's bar, the run report), in the
+#: order they fill the device: what the engine must hold, the KV pool, then what is left over.
+BUDGET_COLOURS: dict[str, str] = {
+    "weights": "#4c78a8",
+    "activations": "#f58518",
+    "communication buffers": "#e45756",
+    "outside PyTorch": "#b279a2",
+    "KV pool": "#2ca02c",
+    "left": "#bab0ac",
+    "held back": "#e0e0e0",
+}
+
+
+def budget_colour(part: str) -> str:
+    """The :data:`BUDGET_COLOURS` entry whose name starts ``part`` (``"KV pool (whole blocks)"``
+    → the KV pool's colour)."""
+    for name, colour in BUDGET_COLOURS.items():
+        if part.startswith(name):
+            return colour
+    raise KeyError(f"no budget colour for {part!r}; known parts: {', '.join(BUDGET_COLOURS)}")
+
+
 _NO_DATA = "no data"
 
 
@@ -85,3 +107,85 @@ def _no_data_figure(title: str) -> go.Figure:
         ],
     )
     return fig
+
+
+# --------------------------------------------------------------------------- #
+# conventions every figure follows (issue 20): units in titles, integer axes for counts,
+# percentage axes with a stated range, legends clear of the axes, one colour per category
+# --------------------------------------------------------------------------- #
+
+#: A horizontal legend above the plot area, left-aligned: it never collides with a right-hand
+#: axis title or the x-axis title. Give the figure a top margin of at least ``LEGEND_ABOVE_MARGIN``.
+LEGEND_ABOVE: dict[str, Any] = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0}
+LEGEND_ABOVE_MARGIN = 100
+
+
+def plural(n: int, noun: str, plural_form: str | None = None) -> str:
+    """``"1 request"``, ``"2 requests"``: ``n`` with ``noun`` in the right number."""
+    return f"{n:,} {noun if n == 1 else (plural_form or noun + 's')}"
+
+
+def nice_step(span: float, target: int = 5, integer: bool = False) -> float:
+    """A tick step of 1, 2, 2.5 or 5 × 10^k giving about ``target`` ticks over ``span``.
+
+    With ``integer`` the step is a whole number (at least 1), for axes of counts.
+    """
+    if not span > 0 or not math.isfinite(span):
+        return 1.0
+    raw = span / max(1, target)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    if integer:
+        step = max(1, round(step)) if step >= 1 else 1
+        if step == 2.5:
+            step = 2
+    return float(step)
+
+
+def count_axis(max_value: float, title: str | None = None) -> dict[str, Any]:
+    """Axis settings for a count (requests, blocks, tokens): from 0, integer ticks with
+    thousands separators, never 15.6 requests or 284 / 569 / 853 blocks."""
+    top = max(1.0, float(max_value or 0))
+    out: dict[str, Any] = {
+        "rangemode": "tozero",
+        "tickformat": ",d",
+        "tick0": 0,
+        "dtick": nice_step(top, integer=True),
+    }
+    if title is not None:
+        out["title"] = {"text": title}
+    return out
+
+
+def percent_axis(lo: float = 0.0, hi: float = 1.0, title: str | None = None) -> dict[str, Any]:
+    """Axis settings for a share stored as a fraction: a stated range (0–100% by default),
+    ticks at round percentages."""
+    out: dict[str, Any] = {
+        "range": [lo, hi],
+        "tickformat": ".0%" if hi - lo >= 0.05 else ".1%",
+        "tick0": 0,
+        "dtick": nice_step(hi - lo),
+    }
+    if title is not None:
+        out["title"] = {"text": title}
+    return out
+
+
+def share_colour_range(values: Sequence[float]) -> tuple[float, float]:
+    """``(zmin, zmax)`` for a colour scale of shares (fractions): from 0 to the data's maximum
+    rounded up to a round percentage, so 7.3% and 7.7% sit close together, not at opposite
+    ends. All zeros give ``(0, 0.01)``, never a −0.5…0.5 scale."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    top = max(finite, default=0.0)
+    if top <= 0:
+        return 0.0, 0.01
+    step = nice_step(top, target=4)
+    hi = math.ceil(top / step - 1e-9) * step
+    return 0.0, min(1.0, hi) if top <= 1 else hi
+
+
+def count_colour_range(values: Sequence[float]) -> tuple[float, float]:
+    """``(zmin, zmax)`` for a colour scale of counts: from 0 to at least 1 (an all-zero grid
+    shows one colour and a 0…1 bar, not −0.5…0.5)."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return 0.0, max(1.0, max(finite, default=0.0))

@@ -33,7 +33,17 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.metrics.waste import USED_CATEGORIES, waste_breakdown
-from workbench.viz.common import MEMORY_CATEGORIES, _latency_values, _no_data_figure, _percentile
+from workbench.viz.common import (
+    LEGEND_ABOVE,
+    LEGEND_ABOVE_MARGIN,
+    MEMORY_CATEGORIES,
+    _latency_values,
+    _no_data_figure,
+    _percentile,
+    count_axis,
+    percent_axis,
+    plural,
+)
 
 __all__ = [
     "BLOCK_STATE_COLOURS",
@@ -44,6 +54,7 @@ __all__ = [
     "PAD_CODE",
     "block_map_cells",
     "block_map_colorscale",
+    "row_start_axis",
     "block_map_figure",
     "latency_cdf_figure",
     "memory_timeline_figure",
@@ -230,7 +241,7 @@ def block_map_cells(snapshot: Mapping[str, Any], max_cols: int = 64) -> dict[str
     title = (
         f"KV block map, step {snapshot['step']} ({snapshot.get('allocator', '?')}): "
         f"{counts['used']}/{n} blocks used ({counts['partly_filled']} partly filled, {counts['empty']} empty), "
-        f"{counts['external']} external, {counts['cached']} cached, {len(owner_ids)} requests"
+        f"{counts['external']} external, {counts['cached']} cached, {plural(len(owner_ids), 'request')}"
     )
     return {
         "z": z,
@@ -375,8 +386,21 @@ def block_map_figure(
         margin={"t": 110},
     )
     fig.update_xaxes(title_text=f"block id − row start (0..{cols - 1})", showgrid=False, zeroline=False)
-    fig.update_yaxes(title_text="row start (block id)", autorange="reversed", showgrid=False, zeroline=False)
+    fig.update_yaxes(row_start_axis(cells[active]["y"]), autorange="reversed", showgrid=False, zeroline=False)
     return fig
+
+
+def row_start_axis(row_starts: Sequence[int]) -> dict[str, Any]:
+    """The block map's y axis: one tick per grid row, labelled with its first block id (at most
+    about 12 labels), never −0.5 / 0 / 0.5 for a single row."""
+    every = max(1, math.ceil(len(row_starts) / 12))
+    ticks = list(row_starts[::every])
+    return {
+        "title": {"text": "row start (block id)"},
+        "tickmode": "array",
+        "tickvals": ticks,
+        "ticktext": [f"{t:,}" for t in ticks],
+    }
 
 
 # --------------------------------------------------------------------------- #
@@ -471,19 +495,21 @@ def memory_timeline_figure(
             ),
             secondary_y=True,
         )
-        fig.update_yaxes(
-            title_text="share (KV utilization of the pool; fragmentation of occupied)",
-            range=[0, 1],
-            tickformat=".0%",
-            showgrid=False,
-            secondary_y=True,
-        )
+        fig.update_yaxes(percent_axis(title="utilization, fragmentation rate"), showgrid=False, secondary_y=True)
     top = max(p * k for p, k in zip(pools, scale))
+    if unit in ("tokens", "bytes"):
+        fig.update_yaxes(count_axis(top), secondary_y=False)
     if top > 0:
         fig.update_yaxes(range=[0, top], secondary_y=False)
     fig.update_yaxes(title_text=f"KV pool ({'token slots' if unit == 'tokens' else unit})", secondary_y=False)
     fig.update_xaxes(title_text="engine step" if x == "step" else "time since engine start (s)")
-    fig.update_layout(title={"text": title}, hovermode="x unified", height=450, legend={"traceorder": "normal"})
+    fig.update_layout(
+        title={"text": title},
+        hovermode="x unified",
+        height=480,
+        legend=LEGEND_ABOVE | {"traceorder": "normal"},
+        margin={"t": LEGEND_ABOVE_MARGIN},
+    )
     return fig
 
 
@@ -656,7 +682,7 @@ def latency_cdf_figure(
                     mode="lines",
                     line={"shape": "hv", "color": _PALETTE[ri % len(_PALETTE)]},
                     visible=mi == 0,
-                    hovertemplate=(f"{label}<br>{short.upper()} %{{x:.2f}} ms<br>P(X ≤ x) = %{{y:.3f}}<extra></extra>"),
+                    hovertemplate=(f"{label}<br>{short.upper()} %{{x:.2f}} ms<br>P(X ≤ x) = %{{y:.1%}}<extra></extra>"),
                 )
             )
     nr = len(runs)
@@ -668,7 +694,7 @@ def latency_cdf_figure(
         "title": {"text": title},
         "height": 450,
         "xaxis": {"title": {"text": axis_title(metrics[0])}, "type": "log" if log_x else "linear"},
-        "yaxis": {"title": {"text": "fraction of requests"}, "range": [0, 1.02]},
+        "yaxis": percent_axis(0, 1.02, title="requests finished within x (%)") | {"dtick": 0.25},
     }
     if len(metrics) > 1:
         layout["updatemenus"] = [

@@ -26,6 +26,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.metrics.recorder import CallbackSink
+from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, MEMORY_CATEGORIES, count_axis, percent_axis
 from workbench.viz.figures import (
     _UNITS,
     CATEGORY_COLOURS,
@@ -34,8 +35,8 @@ from workbench.viz.figures import (
     _block_heatmap,
     _block_legend_traces,
     block_map_cells,
+    row_start_axis,
 )
-from workbench.viz.report import MEMORY_CATEGORIES
 
 __all__ = ["LiveMonitor"]
 
@@ -273,12 +274,16 @@ class LiveMonitor:
                 col=1,
             )
         fig.update_yaxes(title_text=f"KV pool ({unit_label})", row=1, col=1, secondary_y=False)
-        fig.update_yaxes(
-            title_text="KV utilization", range=[0, 1], tickformat=".0%", showgrid=False, row=1, col=1, secondary_y=True
-        )
-        fig.update_yaxes(title_text="requests", rangemode="tozero", row=2, col=1)
+        fig.update_yaxes(percent_axis(title="KV utilization"), showgrid=False, row=1, col=1, secondary_y=True)
+        fig.update_yaxes(count_axis(1, title="requests"), row=2, col=1)
         fig.update_xaxes(title_text="engine step", row=2, col=1)
-        fig.update_layout(title={"text": "KV pool, live"}, height=520, hovermode="x unified", margin={"t": 50, "b": 40})
+        fig.update_layout(
+            title={"text": "KV pool, live"},
+            height=560,
+            hovermode="x unified",
+            legend=LEGEND_ABOVE,
+            margin={"t": LEGEND_ABOVE_MARGIN, "b": 40},
+        )
         return fig
 
     def _block_map_layout(self) -> go.Figure:
@@ -296,7 +301,7 @@ class LiveMonitor:
             margin={"t": 90},
         )
         fig.update_xaxes(showgrid=False, zeroline=False)
-        fig.update_yaxes(title_text="row start (block id)", autorange="reversed", showgrid=False, zeroline=False)
+        fig.update_yaxes(row_start_axis([0]), autorange="reversed", showgrid=False, zeroline=False)
         return fig
 
     # ------------------------------------------------------------------ sink callbacks
@@ -371,6 +376,9 @@ class LiveMonitor:
                 fig.data[i].y = column(key)
             if len(pool) and pool.max() > 0:
                 fig.layout.yaxis.range = [0, float(pool.max())]
+            if len(xs):
+                busiest = max(column("num_running").max(), column("num_waiting").max())
+                fig.layout.yaxis3.dtick = count_axis(busiest)["dtick"]
         snap = self._latest_snapshot() if self.block_map_figure is not None else None
         if snap is not None and snap is not self._shown_snapshot:
             cells = block_map_cells(snap, self.max_cols)
@@ -382,6 +390,7 @@ class LiveMonitor:
                 small = len(cells["x"]) <= 64 and rows <= 64
                 h.xgap = h.ygap = 1 if small else 0
                 bm.layout.title.text = cells["title"]
+                bm.layout.yaxis.update(row_start_axis(cells["y"]))
                 bm.layout.height = int(min(700, max(300, 150 + rows * max(6.0, 900 / len(cells["x"])))))
             self._shown_snapshot = snap
         self._status.value = self.status_html()
