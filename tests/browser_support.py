@@ -85,6 +85,7 @@ def jupyterlab(workdir: Path) -> Iterator[tuple[str, str, Path]]:
                 f"--IdentityProvider.token={token}",
                 f"--ServerApp.root_dir={root}",
                 f"--LabApp.user_settings_dir={workdir / 'settings'}",
+                "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: run commands without menus
                 "--allow-root",
             ],
             stdout=subprocess.DEVNULL,
@@ -117,15 +118,43 @@ def error_texts(page) -> list[str]:
     return [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
 
 
+#: The notebook on screen (JupyterLab keeps other, hidden panels in the DOM).
+CURRENT = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+
+
 def open_notebook(page, base: str, token: str, name: str) -> None:
-    """Open ``name`` and wait until its kernel is idle."""
-    page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=120_000)
-    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
+    """Open ``name`` alone, in a fresh workspace of its own (so no earlier notebook is restored
+    beside it), and wait until its kernel is idle."""
+    workspace = "review-" + "".join(c if c.isalnum() else "-" for c in Path(name).stem)
+    page.goto(f"{base}/lab/workspaces/{workspace}/tree/{name}?reset&token={token}", timeout=120_000)
+    page.wait_for_selector(f"{CURRENT} .jp-Notebook .jp-Cell", timeout=120_000)
+    page.wait_for_selector(f"{CURRENT} .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
+
+
+def shutdown_kernels(base: str, token: str) -> int:
+    """Shut down every kernel of the server through its REST API (no dialog); returns how many."""
+    with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as r:
+        kernels = json.load(r)
+    for k in kernels:
+        req = urllib.request.Request(f"{base}/api/kernels/{k['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
+    return len(kernels)
 
 
 def cell_prompts(page) -> list[str]:
-    return [t.strip() for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]
+    return [t.strip() for t in page.locator(f"{CURRENT} .jp-CodeCell .jp-InputPrompt").all_inner_texts()]
+
+
+def _run_all_command(page) -> None:
+    """Run > Run All Cells on the notebook on screen: through the app's command registry when the
+    app is exposed (no menu to hit under load), else through the menus."""
+    if page.evaluate("() => !!window.jupyterapp"):
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        return
+    page.keyboard.press("Escape")  # a dialog or menu left open
+    page.locator(f"{CURRENT} .jp-Notebook").first.click(position={"x": 5, "y": 5})
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
 
 
 def all_ran(prompts: list[str]) -> bool:
@@ -142,16 +171,14 @@ def run_all_cells(page, timeout_s: float = 600) -> tuple[bool, int]:
     deadline = time.time() + timeout_s
     tries = 0
     for tries in range(1, 4):  # noqa: B007  (returned)
-        page.locator(".jp-Notebook").first.click()
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        _run_all_command(page)
         started = time.time()
         dropped = False
         while time.time() < deadline:
             prompts = cell_prompts(page)
             if all_ran(prompts):
                 return True, tries
-            idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+            idle = page.locator(f"{CURRENT} .jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
             if idle and "[*]:" not in prompts and time.time() - started > 20:
                 dropped = True  # nothing running, cells not run: an error stopped it, or it was dropped
                 break

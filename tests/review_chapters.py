@@ -36,6 +36,7 @@ from browser_support import (  # noqa: E402  (tests/ is not a package)
     open_notebook,
     run_all_cells,
     show_file_browser,
+    shutdown_kernels,
     text_tables,
     wrapped_table_cells,
 )
@@ -94,8 +95,7 @@ def review_chapter(page, base: str, token: str, name: str, out: Path, widths, ti
         result["screenshots"].append(shot.name)
     result["seconds"] = round(time.time() - t0, 1)
     result["problems"] = problems(result)
-    # leave the kernel: the next chapter starts its own
-    page.evaluate("() => window.jupyterapp && window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+    shutdown_kernels(base, token)  # the next chapter starts its own
     return result
 
 
@@ -154,8 +154,10 @@ def main(out: Path, selected: tuple[str, ...], widths: tuple[int, ...], timeout_
     results = review(chapters(selected), out, widths or (LAPTOP_WIDTH, WIDE_WIDTH), timeout_s)
     bad = 0
     for r in results:
-        click.echo(f"{r['chapter']:<34} {r['seconds']:>6.1f} s  {r['num_plots']:>2} figures  " + (
-            "ok" if not r["problems"] else f"{len(r['problems'])} problem(s)"))
+        click.echo(
+            f"{r['chapter']:<34} {r['seconds']:>6.1f} s  {r['num_plots']:>2} figures  "
+            + ("ok" if not r["problems"] else f"{len(r['problems'])} problem(s)")
+        )
         for p in r["problems"]:
             click.echo(f"    - {p}")
         bad += bool(r["problems"])
