@@ -69,3 +69,11 @@ def test_plain_keys_and_bad_alignment():
     assert t.headers == ["a", "b"] and t.text() == "a  b\n1  x"
     with pytest.raises(ValueError, match="align"):
         Column("a", align="centre")
+
+
+def test_a_table_of_labelled_values_has_no_header():
+    t = Table(
+        [Column("k", align="left"), Column("v")], [{"k": "steps", "v": 12}, {"k": "peak blocks", "v": 7}], header=False
+    )
+    assert t.text() == "steps        12\npeak blocks   7"
+    assert "<th" not in t._repr_html_() and "<thead" not in t._repr_html_()

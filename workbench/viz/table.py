@@ -61,6 +61,7 @@ class Table:
         rows: one mapping per row, from column key to raw value (extra keys are kept in :attr:`rows`).
         title: a line above the table (what it shows).
         notes: lines below the table (units, footnotes, a summary).
+        header: show the header line (``False`` for a table of labelled values, whose labels are cells).
 
     The values stay readable: :attr:`rows` / :meth:`to_rows` give the raw rows, :meth:`column` one
     column's raw values, :meth:`cells` the formatted text of every cell.
@@ -73,11 +74,13 @@ class Table:
         *,
         title: str | None = None,
         notes: Sequence[str] | str = (),
+        header: bool = True,
     ) -> None:
         self.columns = [c if isinstance(c, Column) else Column(c) for c in columns]
         self._rows = [dict(r) for r in rows]
         self.title = title
         self.notes = [notes] if isinstance(notes, str) else list(notes)
+        self.header = header
 
     # ---------------------------------------------------------------- values
     @property
@@ -121,14 +124,14 @@ class Table:
         apart, aligned as the columns say), then the notes."""
         head = self.headers
         body = self.cells()
-        widths = [max(len(x) for x in col) for col in zip(head, *body)] if head else []
+        widths = [max(len(x) for x in col) for col in zip(head if self.header else [""] * len(head), *body)]
 
         def line(cells: Sequence[str]) -> str:
             return "  ".join(
                 x.ljust(w) if c.align == "left" else x.rjust(w) for x, w, c in zip(cells, widths, self.columns)
             ).rstrip()
 
-        lines = ([self.title] if self.title else []) + [line(head)] + [line(r) for r in body]
+        lines = ([self.title] if self.title else []) + ([line(head)] if self.header else []) + [line(r) for r in body]
         return "\n".join(lines + self.notes)
 
     def __str__(self) -> str:
@@ -149,10 +152,12 @@ class Table:
             out.append(
                 f'<caption style="text-align:left;caption-side:top;white-space:normal">{esc(self.title)}</caption>'
             )
-        out.append("<thead><tr>")
-        for c in self.columns:
-            out.append(f'<th style="{_CELL_STYLE};text-align:{c.align}">{esc(c.title)}</th>')
-        out.append("</tr></thead><tbody>")
+        if self.header:
+            out.append("<thead><tr>")
+            for c in self.columns:
+                out.append(f'<th style="{_CELL_STYLE};text-align:{c.align}">{esc(c.title)}</th>')
+            out.append("</tr></thead>")
+        out.append("<tbody>")
         for row in self.cells():
             out.append("<tr>")
             for x, c in zip(row, self.columns):
