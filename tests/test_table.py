@@ -77,3 +77,32 @@ def test_a_table_of_labelled_values_has_no_header():
     )
     assert t.text() == "steps        12\npeak blocks   7"
     assert "<th" not in t._repr_html_() and "<thead" not in t._repr_html_()
+
+
+# ---------------------------------------------------------------- the labs' tables
+def test_lab_tables_keep_their_values_and_units():
+    from workbench.labs import chapters as ch
+    from workbench.labs import chunked, nccl_buffers, sweep
+    from workbench.labs.panel import summary_card
+
+    kv = ch.kv_table(["llama-2-7b"])
+    assert kv.to_rows()[0]["kv_bytes_per_token"] == 524288 and "512.00 KiB" in str(kv)
+    pad = ch.padding_table([128, 256, 384, 512], group_size=2)
+    assert pad.column("slots") == [2048, 1536, 1280] and "saves (% of one batch)" in pad.headers
+    buf = nccl_buffers.buffer_table(nccl_buffers.buffer_rows(sizes=(2,)))
+    assert "per rank (MiB)" in buf.headers and "white-space:nowrap" in buf._repr_html_()
+    rows = [
+        {"label": "a", "error": None, "kv_utilization": 0.5, "output_throughput_tok_s": 761.17},
+        {"label": "b", "error": "refused: too small", "kv_utilization": None, "output_throughput_tok_s": None},
+    ]
+    t = sweep.sweep_table(rows, ["kv_utilization", "output_throughput_tok_s"])
+    assert t.cells() == [["a", "50.0%", "761.17"], ["b", "refused", "-"]]
+    assert t.notes == ["b: refused: too small"] and "output throughput (tok/s)" in t.headers
+    tr = chunked.tradeoff_table(
+        [{"label": "B=64 chunked", "ttft_p99_s": 0.1234, "long_chunks": [2, 3]}], ["ttft_p99_s", "long_chunks"]
+    )
+    assert tr.cells() == [["B=64 chunked", "123", "2/3"]] and "TTFT p99 (ms)" in tr.headers
+    summ = {"steps": 10, "mean_running": 2.5, "peak_blocks_used": 4, "preemptions": 0, "token_states": 0.9,
+            "reservation": 0.0, "internal_fragmentation": 0.1, "external_fragmentation": 0.0}  # fmt: skip
+    card = summary_card("paged", summ)
+    assert "external frag. (% of used)" in card.to_html() and "<th" not in card.to_html()
