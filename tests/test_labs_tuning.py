@@ -80,7 +80,7 @@ def test_gpu_memory_utilization_takes_memory_from_the_kv_pool_only(tiny_model):
     usable = int(hi["capacity_bytes"] * 0.9) - int(lo["capacity_bytes"] * 0.5)
     assert hi["kv_budget_bytes"] - lo["kv_budget_bytes"] == usable
     assert hi["num_blocks"] > lo["num_blocks"]
-    table = sweep.utilization_table(rows)
+    table = str(sweep.utilization_table(rows))
     assert "(100%)" in table and f"{hi['num_blocks'] - lo['num_blocks']:,} of {hi['num_blocks']:,} blocks" in table
 
 

@@ -17,15 +17,15 @@ The chapter modules are loaded on first use (``labs.sweep`` works after ``from w
 """
 
 from workbench.labs.exercises import EXERCISES, check, solution
-from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, format_table, lab_run, lab_trace, run_summary
+from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, breakdown_table, lab_run, lab_trace, run_summary
 
 __all__ = [
     "EXERCISES",
     "LAB_ENGINE_DEFAULTS",
     "RunPanel",
     "breakdown_rows",
+    "breakdown_table",
     "check",
-    "format_table",
     "lab_run",
     "lab_trace",
     "run_summary",

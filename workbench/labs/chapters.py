@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, lab_run, lab_trace
 from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, budget_colour
+from workbench.viz.table import Column, Table
 
 MiB = 1 << 20
 
@@ -44,14 +45,24 @@ def budget_rows(memory: dict) -> list[tuple[str, int]]:
     return parts
 
 
-def print_budget(memory: dict) -> None:
-    """Print the budget in MiB, and the pool in blocks and tokens."""
-    for name, b in budget_rows(memory):
-        print(f"{name:<40} {b / MiB:>10,.1f} MiB")
-    print(f"{'capacity':<40} {memory['capacity_bytes'] / MiB:>10,.1f} MiB")
-    print(
-        f"KV pool: {memory['num_blocks']:,} blocks x {memory['block_size']} tokens = "
-        f"{memory['kv_pool_tokens']:,} tokens at {memory['kv_bytes_per_token']:,} B/token"
+def _mib(v: float) -> str:
+    return f"{v / MiB:,.1f}"
+
+
+def budget_table(memory: dict) -> Table:
+    """The budget (:func:`budget_rows`) in MiB, the capacity, and the pool in blocks and tokens (a note).
+
+    Rows ``{"part", "bytes"}``."""
+    rows = [{"part": n, "bytes": b} for n, b in budget_rows(memory)]
+    rows.append({"part": "capacity", "bytes": memory["capacity_bytes"]})
+    return Table(
+        [Column("part", "part", align="left"), Column("bytes", "MiB", _mib)],
+        rows,
+        title="Where the device memory goes",
+        notes=[
+            f"KV pool: {memory['num_blocks']:,} blocks x {memory['block_size']} tokens = "
+            f"{memory['kv_pool_tokens']:,} tokens at {memory['kv_bytes_per_token']:,} B/token"
+        ],
     )
 
 
@@ -128,9 +139,26 @@ def engine_block_bytes(**engine_args: Any) -> int:
     return sum(t.numel() * t.element_size() for t in caches) // llm.llm_engine.memory.num_blocks
 
 
-def print_claims(rows: Sequence[dict[str, str]]) -> None:
+def claims_table(rows: Sequence[dict[str, str]]) -> Table:
+    """:func:`claims_check` as a table: for each claim, the claim, what was measured and the verdict
+    (three lines). Rows ``{"n", "what", "text"}``."""
+    out = []
     for i, r in enumerate(rows, 1):
-        print(f"{i}. claim:    {r['claim']}\n   measured: {r['measured']}\n   verdict:  {r['verdict']}\n")
+        out += [
+            {"n": i, "what": "claim", "text": r["claim"]},
+            {"n": None, "what": "measured", "text": r["measured"]},
+            {"n": None, "what": "verdict", "text": r["verdict"]},
+        ]
+    return Table(
+        [
+            Column("n", "#", lambda v: "" if v is None else str(v)),
+            Column("what", "", align="left"),
+            Column("text", "", align="left"),
+        ],
+        out,
+        title="Claims in circulation, measured",
+        header=False,
+    )
 
 
 # ---------------------------------------------------------------- chapter 2
@@ -158,11 +186,18 @@ def paper_fig2_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def print_fig2(rows: Sequence[dict[str, Any]]) -> None:
-    print(f"{'allocator':<12} {'token states (ours)':>20} {'vLLM paper Fig. 2':>18}")
-    for r in rows:
-        paper = f"{100 * r['paper']:.1f}%" if r["paper"] is not None else "-"
-        print(f"{r['allocator']:<12} {100 * r['ours']:>19.1f}% {paper:>18}")
+def fig2_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`paper_fig2_rows` as a table: share of the used KV memory holding token states, ours
+    beside the vLLM paper's Fig. 2 (percent)."""
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    return Table(
+        [
+            Column("allocator", "allocator", align="left"),
+            Column("ours", "token states, ours (% of used)", pct),
+            Column("paper", "vLLM paper Fig. 2 (% of used)", pct),
+        ],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------- chapter 3
@@ -283,14 +318,37 @@ def live_batch(llm, records=None, num_steps: int = 3) -> list[list[dict[str, Any
     return out
 
 
-def print_batch(step: Sequence[dict[str, Any]]) -> None:
-    """One line per request: phase, tokens, block table, and the first/last slot written."""
-    for b in step:
-        p, s = b["positions"], b["slots"]
-        print(
-            f"{b['request_id']:<6} {b['phase']:<7} positions {p[0]:>3}..{p[-1]:<3} -> slots {s[0]:>4}..{s[-1]:<4} "
-            f"block table {b['block_table']}"
-        )
+def batch_table(steps: Sequence[Sequence[dict[str, Any]]] | Sequence[dict[str, Any]]) -> Table:
+    """One line per scheduled request of each step (:func:`live_batch`): phase, the positions
+    written, the slots they went to (first..last) and the block table. A single step is accepted too.
+
+    Rows ``{"step", "request_id", "phase", "positions", "slots", "block_table"}``."""
+    if steps and isinstance(steps[0], dict):
+        steps = [steps]
+    rows = [
+        {
+            "step": i,
+            "request_id": b["request_id"],
+            "phase": b["phase"],
+            "positions": (b["positions"][0], b["positions"][-1]),
+            "slots": (b["slots"][0], b["slots"][-1]),
+            "block_table": list(b["block_table"]),
+        }
+        for i, step in enumerate(steps)
+        for b in step
+    ]
+    span = lambda v: f"{v[0]}..{v[1]}"  # noqa: E731
+    return Table(
+        [
+            Column("step", "step"),
+            Column("request_id", "request", align="left"),
+            Column("phase", "phase", align="left"),
+            Column("positions", "positions", span),
+            Column("slots", "slots", span),
+            Column("block_table", "block table (physical block ids)", str, align="left"),
+        ],
+        rows,
+    )
 
 
 def block_table_figure(step: Sequence[dict[str, Any]], num_blocks: int) -> go.Figure:
@@ -438,34 +496,61 @@ def preemption_runs(records=None, **engine_args) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- printing and figures used by several chapters
-def print_kv_table(models: Sequence[str], dtype: str = "float16", block_size: int = 16) -> None:
-    """KV bytes per token and per block of catalogue models (``workbench kv-calc``), one line each."""
+# ---------------------------------------------------------------- tables and figures used by several chapters
+def kv_table(models: Sequence[str], dtype: str = "float16", block_size: int = 16) -> Table:
+    """KV bytes per token and per block of catalogue models (``workbench kv-calc``), one row each.
+
+    Rows ``{"model", "layers", "kv_heads", "head_dim", "kv_bytes_per_token", "block_bytes"}`` (bytes)."""
     from workbench.kvcalc import KV_DTYPES, fmt_bytes, kv_calc
 
-    print(
-        f"{'model':<14} {'layers':>6} {'KV heads':>8} {'head_dim':>8} {'KV/token':>12} {'block of ' + str(block_size):>12}"
-    )
+    rows = []
     for m in models:
         r = kv_calc(m, dtype=dtype, block_size=block_size)
         a = r.arch
-        print(
-            f"{m:<14} {a.num_hidden_layers:>6} {a.num_key_value_heads:>8} {a.head_dim:>8} "
-            f"{fmt_bytes(r.kv_bytes_per_token):>12} {fmt_bytes(r.block_bytes):>12}"
+        rows.append(
+            {
+                "model": m,
+                "layers": a.num_hidden_layers,
+                "kv_heads": a.num_key_value_heads,
+                "head_dim": a.head_dim,
+                "kv_bytes_per_token": r.kv_bytes_per_token,
+                "block_bytes": r.block_bytes,
+            }
         )
     elem = KV_DTYPES[dtype].itemsize
-    print(f"(K and V of every layer, a {dtype} cache: {elem} bytes per element; one GPU, no tensor parallelism)")
+    return Table(
+        [
+            Column("model", "model", align="left"),
+            Column("layers", "layers"),
+            Column("kv_heads", "KV heads"),
+            Column("head_dim", "head_dim"),
+            Column("kv_bytes_per_token", "KV per token", fmt_bytes),
+            Column("block_bytes", f"KV per block of {block_size} tokens", fmt_bytes),
+        ],
+        rows,
+        notes=[f"(K and V of every layer, a {dtype} cache: {elem} bytes per element; one GPU, no tensor parallelism)"],
+    )
 
 
-def print_fits(cases: Sequence[tuple[str, str, int]], seq_len: int = 4096, gpu_memory_utilization: float = 0.9) -> None:
-    """``kv-calc``'s verdict for ``(model, gpu, tensor_parallel_size)`` cases (float16, no activation reserve)."""
+def fits_table(
+    cases: Sequence[tuple[str, str, int]], seq_len: int = 4096, gpu_memory_utilization: float = 0.9
+) -> Table:
+    """``kv-calc``'s verdict for ``(model, gpu, tensor_parallel_size)`` cases (float16, no activation reserve).
+
+    Rows ``{"model", "gpu", "tensor_parallel_size", "fits", "verdict"}``."""
     from workbench.kvcalc import kv_calc
 
+    rows = []
     for model, gpu, tp in cases:
         r = kv_calc(
             model, gpu=gpu, tensor_parallel_size=tp, seq_len=seq_len, gpu_memory_utilization=gpu_memory_utilization
         )
-        print(f"{model}: {r.verdict()}")
+        rows.append({"model": model, "gpu": gpu, "tensor_parallel_size": tp, "fits": r.fits, "verdict": r.verdict()})
+    return Table(
+        [Column("model", "model", align="left"), Column("verdict", "kv-calc's verdict", align="left")],
+        rows,
+        title=f"Does it fit? float16, sequences of {seq_len:,} tokens, gpu_memory_utilization {gpu_memory_utilization:g}",
+    )
 
 
 def waste_figure(results: dict[str, Any]):
@@ -492,26 +577,24 @@ def latency_figure(results: dict[str, Any], metric: str = "e2e_s"):
     return latency_cdf_figure({k: [q.to_dict() for q in r.recorder.requests] for k, r in results.items()}, metric)
 
 
-def print_steps(steps: Sequence[dict[str, Any]], every: int = 5) -> None:
-    """Every ``every``-th step record (and the last): tokens, requests and the pool split in slots."""
-    cols = ("step", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting", "blocks_used")
-    cats = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "free")
-    short = {
-        "num_prefill_tokens": "prefill",
-        "num_decode_tokens": "decode",
-        "num_running": "running",
-        "num_waiting": "waiting",
-        "blocks_used": "blocks",
-        "token_states": "tokens",
-        "reservation": "reserved",
-        "internal_fragmentation": "internal",
-        "external_fragmentation": "external",
-    }
-    names = [short.get(c, c) for c in cols + cats]
-    print("  ".join(f"{n:>8}" for n in names))
+def steps_table(steps: Sequence[dict[str, Any]], every: int = 5) -> Table:
+    """Every ``every``-th step record (and the last): tokens, requests, blocks and the pool split in
+    token slots. Rows: the step records picked."""
+    cols = (
+        ("step", "step"),
+        ("num_prefill_tokens", "prefill (tokens)"),
+        ("num_decode_tokens", "decode (tokens)"),
+        ("num_running", "running"),
+        ("num_waiting", "waiting"),
+        ("blocks_used", "blocks"),
+        ("token_states", "tokens (slots)"),
+        ("reservation", "reserved (slots)"),
+        ("internal_fragmentation", "internal (slots)"),
+        ("external_fragmentation", "external (slots)"),
+        ("free", "free (slots)"),
+    )
     picked = [s for i, s in enumerate(steps) if i % every == 0 or i == len(steps) - 1]
-    for s in picked:
-        print("  ".join(f"{s[c]:>8}" for c in cols + cats))
+    return Table([Column(k, h) for k, h in cols], picked)
 
 
 def print_kernel_loop() -> None:
@@ -531,25 +614,34 @@ def print_kernel_loop() -> None:
     print("\n".join(lines[start:end]).rstrip())
 
 
-def print_padding(lengths: Sequence[int], group_size: int = 4) -> None:
-    """KV slots of one padded batch, of length-grouped padded batches, and of paged allocation."""
+def padding_table(lengths: Sequence[int], group_size: int = 4) -> Table:
+    """KV slots of one padded batch, of length-grouped padded batches, and of paged allocation.
+
+    Rows ``{"layout", "slots", "saves"}`` (``saves``: the share of one padded batch's slots saved)."""
     from workbench.labs.exercises import padded_slots
 
     one = padded_slots(list(lengths))
     grouped = padded_slots(list(lengths), group_size)
     exact = sum(lengths)
-    print(f"lengths: {list(lengths)}")
-    print(f"one padded batch of {len(lengths)}:          {one:>7,} slots")
-    print(f"padded batches of {group_size}, grouped by length: {grouped:>7,} slots  (saves {1 - grouped / one:.1%})")
-    print(f"paged (exactly the tokens):          {exact:>7,} slots  (saves {1 - exact / one:.1%})")
+    rows = [
+        {"layout": f"one padded batch of {len(lengths)}", "slots": one, "saves": None},
+        {"layout": f"padded batches of {group_size}, grouped by length", "slots": grouped, "saves": 1 - grouped / one},
+        {"layout": "paged (exactly the tokens)", "slots": exact, "saves": 1 - exact / one},
+    ]
+    return Table(
+        [
+            Column("layout", "layout", align="left"),
+            Column("slots", "KV slots", "{:,}".format),
+            Column("saves", "saves (% of one batch)", lambda v: "-" if v is None else f"{v:.1%}"),
+        ],
+        rows,
+        title=f"lengths: {list(lengths)}",
+    )
 
 
-def print_rows(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> None:
-    """A fixed-width table of ``keys`` over ``rows``."""
-    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
-    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
-    for r in rows:
-        print("  ".join(str(r[k]).rjust(w) for k, w in zip(keys, widths)))
+def rows_table(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> Table:
+    """A table of ``keys`` over ``rows`` (values as ``str``, right-aligned)."""
+    return Table([Column(k, k, str) for k in keys], rows)
 
 
 def parallel_sampling_run(n: int = 4, max_tokens: int = 12, block_size: int = 16, **engine_args) -> dict[str, Any]:
@@ -575,15 +667,33 @@ def parallel_sampling_run(n: int = 4, max_tokens: int = 12, block_size: int = 16
     return out
 
 
-def print_preemption(runs: dict[str, Any]) -> None:
-    """Preemptions, recomputed prompt tokens and swapped blocks of each preemption mode's run."""
-    print(
-        f"{'mode':<10} {'steps':>6} {'preempted':>10} {'prefill tokens':>15} {'swap out':>9} {'swap in':>8} {'output':>7}"
-    )
+def preemption_table(runs: dict[str, Any]) -> Table:
+    """Preemptions, prefill (recomputed prompt) tokens and swapped blocks of each preemption mode's run.
+
+    Rows ``{"mode", "steps", "preempted", "prefill_tokens", "swap_out_blocks", "swap_in_blocks", "output_tokens"}``."""
+    rows = []
     for mode, r in runs.items():
         st = r.recorder.steps
-        print(
-            f"{mode:<10} {len(st):>6} {sum(s.num_preemptions for s in st):>10} "
-            f"{sum(s.num_prefill_tokens for s in st):>15} {sum(s.swap_out_blocks for s in st):>9} "
-            f"{sum(s.swap_in_blocks for s in st):>8} {r.summary['output_tokens_total']:>7}"
+        rows.append(
+            {
+                "mode": mode,
+                "steps": len(st),
+                "preempted": sum(s.num_preemptions for s in st),
+                "prefill_tokens": sum(s.num_prefill_tokens for s in st),
+                "swap_out_blocks": sum(s.swap_out_blocks for s in st),
+                "swap_in_blocks": sum(s.swap_in_blocks for s in st),
+                "output_tokens": r.summary["output_tokens_total"],
+            }
         )
+    return Table(
+        [
+            Column("mode", "mode", align="left"),
+            Column("steps", "steps"),
+            Column("preempted", "preempted"),
+            Column("prefill_tokens", "prefill (tokens)"),
+            Column("swap_out_blocks", "swap out (blocks)"),
+            Column("swap_in_blocks", "swap in (blocks)"),
+            Column("output_tokens", "output (tokens)"),
+        ],
+        rows,
+    )

@@ -24,7 +24,6 @@ prompt) and ``steps``.
 
 from __future__ import annotations
 
-import html
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -44,12 +43,13 @@ __all__ = [
     "TradeoffPanel",
     "arrival_run",
     "chunked_trace",
-    "describe_trace",
+    "trace_table",
     "exercise_prefills",
     "prefill_measurements",
     "tradeoff_figure",
     "tradeoff_row",
     "tradeoff_runs",
+    "tradeoff_table",
 ]
 
 #: engine arguments of this chapter's runs (over the lab defaults): room for the long documents
@@ -298,35 +298,64 @@ def exercise_prefills(results: dict[str, ArrivalResult]) -> list[dict]:
     return out
 
 
-def describe_trace(trace: Sequence[tuple[int, PromptRecord]]) -> str:
-    """One line per request: arrival step, id, prompt characters, output tokens."""
-    lines = [f"{'arrives at step':>15}  {'request':<9}  {'prompt chars':>12}  {'output tokens':>13}"]
-    for at, r in trace:
-        lines.append(f"{at:>15}  {r.id:<9}  {len(r.prompt):>12,}  {r.max_tokens:>13}")
-    return "\n".join(lines)
+def trace_table(trace: Sequence[tuple[int, PromptRecord]]):
+    """One row per request: arrival step, id, prompt characters, output tokens
+    (a :class:`~workbench.viz.table.Table`; rows ``{"arrives_at_step", "request", "prompt_chars", "output_tokens"}``)."""
+    from workbench.viz.table import Column, Table
+
+    rows = [
+        {"arrives_at_step": at, "request": r.id, "prompt_chars": len(r.prompt), "output_tokens": r.max_tokens}
+        for at, r in trace
+    ]
+    return Table(
+        [
+            Column("arrives_at_step", "arrives at step"),
+            Column("request", "request", align="left"),
+            Column("prompt_chars", "prompt (characters)", "{:,}".format),
+            Column("output_tokens", "output (tokens)"),
+        ],
+        rows,
+    )
 
 
-def format_tradeoff(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    """A fixed-width table of :func:`tradeoff_row` rows (lists joined by ``/``, seconds in ms)."""
+#: headers (with units) of :func:`tradeoff_row` keys in :func:`tradeoff_table`
+TRADEOFF_HEADERS = {
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "steps": "steps",
+    "max_step_tokens": "largest step with decodes (tokens)",
+    "long_chunks": "long prompts' chunks",
+    "long_ttft_steps": "long prompts' TTFT (steps)",
+    "ttft_p50_s": "TTFT p50 (ms)",
+    "ttft_p99_s": "TTFT p99 (ms)",
+    "itl_p50_s": "ITL p50 (ms)",
+    "itl_p99_s": "ITL p99 (ms)",
+    "output_throughput_tok_s": "output throughput (tok/s)",
+}
 
-    def fmt(k, v):
+
+def _tradeoff_cell(key: str):
+    def fmt(v: Any) -> str:
         if v is None:
             return "-"
         if isinstance(v, list):
             return "/".join(str(x) for x in v)
-        if k.endswith("_s"):
-            return f"{1000 * v:,.0f} ms"
+        if key.endswith("_s"):
+            return f"{1000 * v:,.0f}"
         if isinstance(v, float):
             return f"{v:,.1f}"
         return str(v)
 
-    head = ["run", *columns]
-    body = [[r["label"]] + [fmt(k, r[k]) for k in columns] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    return "\n".join(
-        "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
-        for row in [head, *body]
-    )
+    return fmt
+
+
+def tradeoff_table(rows: Sequence[dict], columns: Sequence[str]):
+    """A :class:`~workbench.viz.table.Table` of :func:`tradeoff_row` rows: the run's label, then
+    ``columns`` (lists joined by ``/``, seconds shown in ms; headers with units from :data:`TRADEOFF_HEADERS`)."""
+    from workbench.viz.table import Column, Table
+
+    cols = [Column("label", "run", str, align="left")]
+    cols += [Column(k, TRADEOFF_HEADERS.get(k, k), _tradeoff_cell(k)) for k in columns]
+    return Table(cols, rows)
 
 
 def tradeoff_figure(rows: Sequence[dict], *, widget: bool = False):
@@ -465,8 +494,8 @@ class TradeoffPanel(RunButtonThread):
         with self.figure.batch_update():
             for tr, nt in zip(self.figure.data, new.data):
                 tr.x, tr.y, tr.text = nt.x, nt.y, nt.text
-        table = format_tradeoff(self.rows, ["max_step_tokens", "long_chunks", "ttft_p99_s", "itl_p99_s"])
-        self.status.value = "<pre>" + html.escape(table) + "</pre>"
+        table = tradeoff_table(self.rows, ["max_step_tokens", "long_chunks", "ttft_p99_s", "itl_p99_s"])
+        self.status.value = table.to_html()
         return res
 
 

@@ -17,7 +17,7 @@ from workbench.labs.panel import RunButtonThread, _accepts
 
 MiB = 1 << 20
 
-__all__ = ["MiB", "PCIE_GEN4_LINK", "burst_trace", "print_sim_rows", "sim_hardware", "sim_run_row"]
+__all__ = ["MiB", "PCIE_GEN4_LINK", "burst_trace", "sim_hardware", "sim_run_row", "sim_table"]
 
 
 # ====================================================================== simulator (chapters 9 and 10)
@@ -129,28 +129,23 @@ def _own_link(gpu: str) -> str:
     return find_hardware(gpu).interconnect
 
 
-def print_sim_rows(rows: Sequence[dict[str, Any]], extra: Sequence[str] = ()) -> None:
-    """Simulator rows as a table (simulated figures, rounded)."""
-    head = [*extra, "GPUs", "link", "KV blocks", "out tok/s", "tok/s/GPU", "TPOT p50 ms", "TTFT p50 s", "all-reduce"]
-    body = []
-    for r in rows:
-        body.append(
-            [str(r[k]) for k in extra]
-            + [
-                f"{r['tensor_parallel_size']} x {r['gpu']}",
-                r["interconnect"],
-                f"{r['num_blocks']:,}",
-                f"{r['output_tok_s']:,.0f}",
-                f"{r['output_tok_s_per_gpu']:,.0f}",
-                f"{r['tpot_p50_ms']:.1f}",
-                f"{r['ttft_p50_s']:.2f}",
-                f"{r['allreduce_share']:.1%}",
-            ]
-        )
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
-    for row in body:
-        print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
+def sim_table(rows: Sequence[dict[str, Any]], extra: Sequence[str] = ()):
+    """Simulator rows (:func:`sim_run_row`) as a :class:`~workbench.viz.table.Table` (simulated figures,
+    rounded): the ``extra`` keys first (e.g. ``"config"``), then GPUs, link, KV blocks, throughput,
+    per-GPU throughput, TPOT and TTFT p50, and the all-reduce share of the step time. Rows: the given rows, ``gpus`` (``"N x GPU"``) added."""
+    from workbench.viz.table import Column, Table
+
+    cols = [Column(k, k, str, align="left") for k in extra] + [
+        Column("gpus", "GPUs", str),
+        Column("interconnect", "link", str, align="left"),
+        Column("num_blocks", "KV (blocks)", "{:,}".format),
+        Column("output_tok_s", "output (tok/s)", "{:,.0f}".format),
+        Column("output_tok_s_per_gpu", "per GPU (tok/s)", "{:,.0f}".format),
+        Column("tpot_p50_ms", "TPOT p50 (ms)", "{:.1f}".format),
+        Column("ttft_p50_s", "TTFT p50 (s)", "{:.2f}".format),
+        Column("allreduce_share", "all-reduce (% of step)", "{:.1%}".format),
+    ]
+    return Table(cols, [dict(r) | {"gpus": f"{r['tensor_parallel_size']} x {r['gpu']}"} for r in rows])
 
 
 # ====================================================================== panels

@@ -23,11 +23,12 @@ from workbench.labs.multigpu_common import (
     MiB,
     _own_link,
     _Panel,
-    print_sim_rows,
     sim_hardware,
     sim_run_row,
+    sim_table,
 )
 from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN
+from workbench.viz.table import Column, Table
 
 __all__ = [
     "BUFFER_CONFIGS",
@@ -37,17 +38,17 @@ __all__ = [
     "buffer_figure",
     "buffer_findings",
     "buffer_rows",
+    "buffer_table",
     "kv_cost_rows",
+    "kv_cost_table",
     "long_trace",
     "measured_buffer_lines",
-    "print_buffer_rows",
-    "print_kv_cost",
-    "print_sim_rows",
     "sim_budget",
     "sim_buffer_figure",
     "sim_buffer_grid",
     "sim_hardware",
     "sim_run_row",
+    "sim_table",
 ]
 
 
@@ -107,15 +108,25 @@ def buffer_rows(
     return rows
 
 
-def print_buffer_rows(rows: Sequence[dict[str, Any]]) -> None:
-    print(
-        f"{'configuration':<26} {'TP':>3} {'channels':>8} {'protocols':<18} {'per conn. MiB':>13} {'per rank MiB':>12} {'group MiB':>10}"
+def _mib2(v: float) -> str:
+    return f"{v / MiB:,.2f}"
+
+
+def buffer_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`buffer_rows` as a table: channels, protocols and the buffer MiB per connection, per rank
+    and for the whole group."""
+    return Table(
+        [
+            Column("config", "configuration", str, align="left"),
+            Column("tensor_parallel_size", "TP"),
+            Column("nchannels", "channels"),
+            Column("protocols", "protocols", str, align="left"),
+            Column("per_connection_bytes", "per connection (MiB)", _mib2),
+            Column("per_rank_bytes", "per rank (MiB)", _mib2),
+            Column("group_bytes", "group (MiB)", _mib2),
+        ],
+        rows,
     )
-    for r in rows:
-        print(
-            f"{r['config']:<26} {r['tensor_parallel_size']:>3} {r['nchannels']:>8} {r['protocols']:<18} "
-            f"{r['per_connection_bytes'] / MiB:>13.2f} {r['per_rank_bytes'] / MiB:>12.2f} {r['group_bytes'] / MiB:>10.2f}"
-        )
 
 
 def buffer_figure(
@@ -202,17 +213,25 @@ def kv_cost_rows(
     return rows
 
 
-def print_kv_cost(rows: Sequence[dict[str, Any]], seq_len: int = 4096) -> None:
-    print(
-        f"{'configuration':<26} {'GPUs':>12} {'block KiB':>9} {'buffers MiB':>11} {'blocks':>7} {'no buffers':>10} {'lost':>5} "
-        f"{'seqs of ' + str(seq_len):>12} {'no buffers':>10} {'kv-calc agrees':>14}"
+def kv_cost_table(rows: Sequence[dict[str, Any]], seq_len: int = 4096) -> Table:
+    """:func:`kv_cost_rows` as a table: per rank, the block size, the buffers, the KV blocks with and
+    without them, the blocks lost, whole ``seq_len``-token sequences with and without, and whether
+    ``kv-calc`` (buffers added to its reserve) agrees with the engine. Rows: the given rows, ``gpus`` added."""
+    return Table(
+        [
+            Column("config", "configuration", str, align="left"),
+            Column("gpus", "GPUs", str),
+            Column("block_bytes", "block (KiB)", lambda v: f"{v / 1024:,.0f}"),
+            Column("comm_buffer_bytes", "buffers (MiB)", lambda v: f"{v / MiB:,.1f}"),
+            Column("num_blocks", "KV (blocks)", "{:,}".format),
+            Column("blocks_without", "no buffers (blocks)", "{:,}".format),
+            Column("blocks_lost", "lost (blocks)", "{:,}".format),
+            Column("max_seqs", f"sequences of {seq_len:,} tokens", "{:,}".format),
+            Column("max_seqs_without", "no buffers (sequences)", "{:,}".format),
+            Column("kv_calc_agrees", "kv-calc agrees", str),
+        ],
+        [dict(r) | {"gpus": f"{r['tensor_parallel_size']} x {r['gpu']}"} for r in rows],
     )
-    for r in rows:
-        print(
-            f"{r['config']:<26} {str(r['tensor_parallel_size']) + ' x ' + r['gpu']:>12} "
-            f"{r['block_bytes'] / 1024:>9,.0f} {r['comm_buffer_bytes'] / MiB:>11,.1f} {r['num_blocks']:>7,} {r['blocks_without']:>10,} "
-            f"{r['blocks_lost']:>5,} {r['max_seqs']:>12,} {r['max_seqs_without']:>10,} {str(r['kv_calc_agrees']):>14}"
-        )
 
 
 def long_trace(num_requests: int = 256, seed: int = 0):
@@ -247,27 +266,46 @@ def sim_buffer_grid(
     ]
 
 
-def buffer_findings(rows: Sequence[dict[str, Any]]) -> None:
-    """Sentences computed from :func:`sim_buffer_grid` rows: per setup, whether the KV pool limited
-    the batch (peak running sequences below the requests and ``max_num_seqs``), and each
-    configuration's blocks, batch, throughput and TPOT against the first (default) configuration."""
+def buffer_findings(rows: Sequence[dict[str, Any]]) -> Table:
+    """A table computed from :func:`sim_buffer_grid` rows: per GPU setup, each configuration's KV blocks
+    (and the change against the first, default, configuration), its peak batch, its throughput and
+    its TPOT p50 (both as a ratio to the first configuration's).
+
+    Rows ``{"setup", "config", "num_blocks", "blocks_change", "peak_running", "output_tok_s",
+    "throughput_ratio", "tpot_ratio"}``."""
     first = next(iter(dict.fromkeys(r["config"] for r in rows)))
     setups = dict.fromkeys((r["tensor_parallel_size"], r["gpu"]) for r in rows)
+    out = []
     for tp, gpu in setups:
         rs = [r for r in rows if (r["tensor_parallel_size"], r["gpu"]) == (tp, gpu)]
         base = next(r for r in rs if r["config"] == first)
-        print(
-            f"{tp} x {gpu}: with {first} buffers {base['num_blocks']:,} blocks, peak batch "
-            f"{base['peak_running']} sequences, {base['output_tok_s']:,.0f} tok/s"
-        )
-        for r in rs:
-            if r is base:
-                continue
-            print(
-                f"    {r['config']:<26} {r['num_blocks'] - base['num_blocks']:>+7,} blocks, peak batch "
-                f"{r['peak_running']:>4}, throughput {r['output_tok_s'] / base['output_tok_s']:.3f}x, "
-                f"TPOT p50 {r['tpot_p50_ms'] / base['tpot_p50_ms']:.3f}x"
+        for r in [base] + [r for r in rs if r is not base]:
+            out.append(
+                {
+                    "setup": f"{tp} x {gpu}",
+                    "config": r["config"],
+                    "num_blocks": r["num_blocks"],
+                    "blocks_change": r["num_blocks"] - base["num_blocks"],
+                    "peak_running": r["peak_running"],
+                    "output_tok_s": r["output_tok_s"],
+                    "throughput_ratio": r["output_tok_s"] / base["output_tok_s"],
+                    "tpot_ratio": r["tpot_p50_ms"] / base["tpot_p50_ms"],
+                }
             )
+    return Table(
+        [
+            Column("setup", "GPUs", str, align="left"),
+            Column("config", "configuration", str, align="left"),
+            Column("num_blocks", "KV (blocks)", "{:,}".format),
+            Column("blocks_change", f"vs {first} (blocks)", "{:+,}".format),
+            Column("peak_running", "peak batch (sequences)", str),
+            Column("output_tok_s", "output (tok/s)", "{:,.0f}".format),
+            Column("throughput_ratio", "throughput (x default)", "{:.3f}x".format),
+            Column("tpot_ratio", "TPOT p50 (x default)", "{:.3f}x".format),
+        ],
+        out,
+        title=f"Each configuration against {first}, per GPU setup (simulated)",
+    )
 
 
 def sim_buffer_figure(rows: Sequence[dict[str, Any]]) -> go.Figure:

@@ -16,15 +16,35 @@ from typing import Any
 
 from workbench.labs.runs import (
     LAB_ENGINE_DEFAULTS,
+    SUMMARY_COLUMNS,
     check_engine_arg_names,
     check_engine_args,
-    format_table,
     lab_run,
     lab_trace,
     run_summary,
 )
 
-__all__ = ["RunPanel", "CONTROLS"]
+__all__ = ["RunPanel", "CONTROLS", "summary_card"]
+
+
+def summary_card(name: str, summary: dict[str, Any], per_line: int = 2):
+    """One run's :func:`~workbench.labs.runs.run_summary` as labelled values, ``per_line`` pairs to a
+    line (label, value, label, value): steps, mean batch, peak blocks, preemptions and where the used
+    KV memory went (% of used). A :class:`~workbench.viz.table.Table` without a header line, whose
+    cells never wrap (it sits beside the Run button, where a one-line table would not fit)."""
+    from workbench.viz.table import Column, Table
+
+    pairs = [(header, fmt(summary[key])) for key, header, fmt in SUMMARY_COLUMNS]
+    rows = []
+    for i in range(0, len(pairs), per_line):
+        row = {}
+        for j, (label, value) in enumerate(pairs[i : i + per_line]):
+            row[f"label{j}"], row[f"value{j}"] = label, value
+        rows.append(row)
+    cols = []
+    for j in range(per_line):
+        cols += [Column(f"label{j}", fmt=lambda v: v or "", align="left"), Column(f"value{j}", fmt=lambda v: v or "")]
+    return Table(cols, rows, title=f"run: {name}", header=False)
 
 
 def _control(name: str, value: Any, widgets) -> Any:
@@ -298,9 +318,7 @@ class RunPanel(RunButtonThread):
         self.result = res
         summ = run_summary(res)
         self.history.append((values, summ))
-        self.status.value = (
-            "<pre>" + html.escape(format_table([{"run": values.get("kv_allocator", "run")} | summ])) + "</pre>"
-        )
+        self.status.value = summary_card(values.get("kv_allocator", "run"), summ).to_html()
         if self.on_result is not None:
             self.on_result(values, res)
         return res

@@ -26,7 +26,7 @@ __all__ = [
     "lab_run",
     "run_summary",
     "breakdown_rows",
-    "format_table",
+    "breakdown_table",
 ]
 
 #: engine arguments every lab run starts from (a learner's panel or call overrides them)
@@ -199,15 +199,16 @@ def run_summary(res: JobResult) -> dict[str, Any]:
     }
 
 
-_COLUMNS = (
+#: the summary columns of :func:`breakdown_table`: ``(key, header with its unit, formatter)``
+SUMMARY_COLUMNS = (
     ("steps", "steps", str),
-    ("mean_running", "mean batch", lambda v: f"{v:.2f}"),
+    ("mean_running", "mean batch (requests)", lambda v: f"{v:.2f}"),
     ("peak_blocks_used", "peak blocks", str),
     ("preemptions", "preempted", str),
-    ("token_states", "token states", _pct),
-    ("reservation", "reservation", _pct),
-    ("internal_fragmentation", "internal frag.", _pct),
-    ("external_fragmentation", "external frag.", _pct),
+    ("token_states", "token states (% of used)", _pct),
+    ("reservation", "reservation (% of used)", _pct),
+    ("internal_fragmentation", "internal frag. (% of used)", _pct),
+    ("external_fragmentation", "external frag. (% of used)", _pct),
 )
 
 
@@ -216,15 +217,15 @@ def breakdown_rows(results: dict[str, JobResult]) -> list[dict[str, Any]]:
     return [{"run": name} | run_summary(r) for name, r in results.items()]
 
 
-def format_table(rows: Sequence[dict[str, Any]], columns=_COLUMNS, first: str = "run") -> str:
-    """A plain-text table (fixed-width, deterministic) of summary rows; shares of used memory."""
-    head = [first] + [c[1] for c in columns]
-    body = [[str(r[first])] + [fmt(r[k]) for k, _, fmt in columns] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
-    for row in body:
-        lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
-    return "\n".join(lines)
+def breakdown_table(rows: Sequence[dict[str, Any]], columns=SUMMARY_COLUMNS, first: str = "run"):
+    """A :class:`~workbench.viz.table.Table` of summary rows (:func:`run_summary`, :func:`breakdown_rows`):
+    steps, batch, blocks, preemptions and where the used KV memory went (shares of used memory, %).
+
+    ``columns``: ``(key, header, formatter)`` triples after the ``first`` column (the run's name)."""
+    from workbench.viz.table import Column, Table
+
+    cols = [Column(first, first, str, align="left")] + [Column(k, h, fmt) for k, h, fmt in columns]
+    return Table(cols, rows)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

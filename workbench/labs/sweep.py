@@ -51,7 +51,7 @@ __all__ = [
     "METRICS",
     "SWEEPABLE",
     "SweepPanel",
-    "format_rows",
+    "sweep_table",
     "grid_points",
     "heatmap_figure",
     "median_ttft_p99",
@@ -349,16 +349,28 @@ def sim_sweep(
     return _run_points(points, one, on_row, progress)
 
 
-def format_rows(rows: Sequence[dict], columns: Sequence[str], first: str = "label") -> str:
-    """A fixed-width text table of sweep rows (``None`` shown as ``-``; shares as percentages).
+#: headers (with units) of the sweep row keys :func:`sweep_table` shows; other keys are their own header
+SWEEP_HEADERS = {
+    "pool_blocks": "pool (blocks)",
+    "pool_tokens": "pool (tokens)",
+    "peak_running": "peak running (requests)",
+    "preemptions": "preemptions",
+    "steps": "steps",
+    "kv_utilization": "kv_utilization (%)",
+    "fragmentation_rate": "fragmentation_rate (%)",
+    "internal_fragmentation": "internal_fragmentation (%)",
+    "output_throughput_tok_s": "output throughput (tok/s)",
+    "ttft_p99_s": "TTFT p99 (s)",
+    "ttft_p50_s": "TTFT p50 (s)",
+}
+_SHARES = ("kv_utilization", "fragmentation_rate", "internal_fragmentation")
 
-    ``columns`` are row keys; a point the engine refused shows ``refused`` and its error below the table.
-    """
 
-    def fmt(k, v):
+def _sweep_cell(key: str):
+    def fmt(v: Any) -> str:
         if v is None:
             return "-"
-        if k in ("kv_utilization", "fragmentation_rate", "internal_fragmentation"):
+        if key in _SHARES and not isinstance(v, str):
             return f"{100 * v:.1f}%"
         if isinstance(v, float):
             return f"{v:,.2f}"
@@ -366,20 +378,26 @@ def format_rows(rows: Sequence[dict], columns: Sequence[str], first: str = "labe
             return f"{v:,}"
         return str(v)
 
-    head = [first, *columns]
-    body = []
-    notes = []
+    return fmt
+
+
+def sweep_table(rows: Sequence[dict], columns: Sequence[str], first: str = "label"):
+    """A :class:`~workbench.viz.table.Table` of sweep rows: ``first`` (the point's label), then
+    ``columns`` (row keys; headers with units from :data:`SWEEP_HEADERS`; ``None`` shown as ``-``,
+    shares as percentages). A point the engine refused shows ``refused`` and its error below the table."""
+    from workbench.viz.table import Column, Table
+
+    body, notes = [], []
     for r in rows:
         if r.get("error"):
-            body.append([str(r[first])] + ["refused"] + ["-"] * (len(columns) - 1))
+            body.append({first: r[first]} | {k: "refused" if i == 0 else None for i, k in enumerate(columns)})
             notes.append(f"{r[first]}: {r['error']}")
         else:
-            body.append([str(r[first])] + [fmt(k, r.get(k)) for k in columns])
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = []
-    for row in [head, *body]:
-        lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
-    return "\n".join(lines + notes)
+            body.append({first: r[first]} | {k: r.get(k) for k in columns})
+    cols = [Column(first, first, str, align="left")] + [
+        Column(k, SWEEP_HEADERS.get(k, k), _sweep_cell(k)) for k in columns
+    ]
+    return Table(cols, body, notes=notes)
 
 
 def median_ttft_p99(rows: Sequence[dict]) -> float:
@@ -396,44 +414,36 @@ def median_ttft_p99(rows: Sequence[dict]) -> float:
     return float(statistics.median(ts))
 
 
-def utilization_table(rows: Sequence[dict], **where: Any) -> str:
+def utilization_table(rows: Sequence[dict], **where: Any):
     """What each ``gpu_memory_utilization`` of a sweep left for the KV pool, from the engine's own budgets.
 
-    One line per row (those whose config matches ``where``, e.g. ``max_num_seqs=8``): the share, the
-    usable memory (capacity x share), weights, profiled activations, KV budget (MiB), pool blocks, the
-    batch size reached (``peak_running``) and preemptions; then how many MiB and blocks the lowest
-    share gave up against the highest, and where they came from.
+    A :class:`~workbench.viz.table.Table`, one row per sweep row (those whose config matches ``where``,
+    e.g. ``max_num_seqs=8``): the share, the usable memory (capacity x share), weights, profiled
+    activations, KV budget (MiB), pool blocks, the batch size reached (``peak_running``) and
+    preemptions; then a note: how many MiB and blocks the lowest share gave up against the highest,
+    and where they came from. Rows: ``gpu_memory_utilization``, ``usable_bytes``, ``weights_bytes``,
+    ``activation_bytes``, ``kv_budget_bytes``, ``num_blocks``, ``peak_running``, ``preemptions``.
     """
+    from workbench.viz.table import Column, Table
+
     sel = [r for r in rows if not r.get("error") and all(r["config"].get(k) == v for k, v in where.items())]
     sel.sort(key=lambda r: r["memory"]["gpu_memory_utilization"])
-    head = (
-        "gpu_memory_utilization",
-        "usable MiB",
-        "weights MiB",
-        "activations MiB",
-        "KV budget MiB",
-        "blocks",
-        "peak running",
-        "preempted",
-    )
     body = []
     for r in sel:
         m = r["memory"]
-        usable = int(m["capacity_bytes"] * m["gpu_memory_utilization"])
         body.append(
-            (
-                f"{m['gpu_memory_utilization']:g}",
-                f"{usable / MiB:,.1f}",
-                f"{m['weights_bytes'] / MiB:,.1f}",
-                f"{m['activation_bytes'] / MiB:,.1f}",
-                f"{m['kv_budget_bytes'] / MiB:,.1f}",
-                f"{m['num_blocks']:,}",
-                str(r["peak_running"]),
-                str(r["preemptions"]),
-            )
+            {
+                "gpu_memory_utilization": m["gpu_memory_utilization"],
+                "usable_bytes": int(m["capacity_bytes"] * m["gpu_memory_utilization"]),
+                "weights_bytes": m["weights_bytes"],
+                "activation_bytes": m["activation_bytes"],
+                "kv_budget_bytes": m["kv_budget_bytes"],
+                "num_blocks": m["num_blocks"],
+                "peak_running": r["peak_running"],
+                "preemptions": r["preemptions"],
+            }
         )
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in [head, *body]]
+    notes = []
     if len(sel) >= 2:
         lo, hi = sel[0]["memory"], sel[-1]["memory"]
         d_usable = int(hi["capacity_bytes"] * hi["gpu_memory_utilization"]) - int(
@@ -441,13 +451,24 @@ def utilization_table(rows: Sequence[dict], **where: Any) -> str:
         )
         d_kv = hi["kv_budget_bytes"] - lo["kv_budget_bytes"]
         d_blocks = hi["num_blocks"] - lo["num_blocks"]
-        lines.append(
+        notes.append(
             f"from {hi['gpu_memory_utilization']:g} down to {lo['gpu_memory_utilization']:g}: {d_usable / MiB:,.1f} MiB "
             f"less usable memory, {d_kv / MiB:,.1f} MiB of it from the KV budget "
             f"({100 * d_kv / d_usable:.0f}%): {d_blocks:,} of {hi['num_blocks']:,} blocks "
             f"({100 * d_blocks / hi['num_blocks']:.0f}% of the pool)"
         )
-    return "\n".join(lines)
+    mib = lambda v: f"{v / MiB:,.1f}"  # noqa: E731
+    cols = [
+        Column("gpu_memory_utilization", "gpu_memory_utilization", "{:g}".format),
+        Column("usable_bytes", "usable (MiB)", mib),
+        Column("weights_bytes", "weights (MiB)", mib),
+        Column("activation_bytes", "activations (MiB)", mib),
+        Column("kv_budget_bytes", "KV budget (MiB)", mib),
+        Column("num_blocks", "pool (blocks)", "{:,}".format),
+        Column("peak_running", "peak running (requests)", str),
+        Column("preemptions", "preempted", str),
+    ]
+    return Table(cols, body, notes=notes)
 
 
 # ---------------------------------------------------------------- heatmaps

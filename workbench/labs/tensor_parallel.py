@@ -27,12 +27,13 @@ from workbench.labs.multigpu_common import (
     _own_link,
     _Panel,
     burst_trace,
-    print_sim_rows,
     sim_hardware,
     sim_run_row,
+    sim_table,
 )
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
 from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, percent_axis, share_colour_range
+from workbench.viz.table import Column, Table
 
 __all__ = [
     "TPRunPanel",
@@ -40,22 +41,22 @@ __all__ = [
     "burst_trace",
     "close_engines",
     "comm_rows",
+    "comm_table",
     "expected_allreduce_bytes",
     "explain_memory",
     "memory_rows",
+    "memory_table",
     "model_dims",
-    "print_comm",
-    "print_memory",
-    "print_sim_rows",
-    "print_time_split",
-    "print_tokens",
     "same_tokens",
     "sim_hardware",
     "sim_run_row",
+    "sim_table",
     "sim_tp_figure",
     "sim_tp_grid",
     "time_split_figure",
     "time_split_rows",
+    "time_split_table",
+    "tokens_table",
     "tp_engine",
     "tp_run",
     "tp_runs",
@@ -181,10 +182,11 @@ def memory_rows(runs: dict[int, Any]) -> list[dict[str, Any]]:
     return [{"tensor_parallel_size": tp} | {k: r.memory[k] for k in keys} for tp, r in runs.items()]
 
 
-def print_memory(rows: Sequence[dict[str, Any]]) -> None:
-    """:func:`memory_rows` as a table (MiB and counts), with each figure's ratio to TP=1's."""
+def memory_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`memory_rows` as a table, one line per figure of one rank (MiB or counts), one column per
+    size, each figure with its ratio to the first size's. Rows: ``{"figure", "TP=N": cell text, ...}``
+    (the raw figures are :func:`memory_rows`)."""
     base = rows[0]
-    print(f"{'per rank':<34}" + "".join(f"{'TP=' + str(r['tensor_parallel_size']):>16}" for r in rows))
     spec = (
         ("weights (MiB)", "weights_bytes", True),
         ("activations, profiled peak (MiB)", "activation_bytes", True),
@@ -194,25 +196,43 @@ def print_memory(rows: Sequence[dict[str, Any]]) -> None:
         ("KV pool (MiB)", "kv_pool_bytes", True),
         ("KV pool (tokens)", "kv_pool_tokens", False),
     )
+    sizes = [f"TP={r['tensor_parallel_size']}" for r in rows]
+    out = []
     for label, k, mib in spec:
-        cells = []
-        for r in rows:
+        line = {"figure": label}
+        for name, r in zip(sizes, rows):
             v = r[k] / MiB if mib else r[k]
             txt = f"{v:,.1f}" if mib else f"{v:,}"
             if r is not base and base[k]:
                 txt += f" ({r[k] / base[k]:.2f}x)"
-            cells.append(f"{txt:>16}")
-        print(f"{label:<34}" + "".join(cells))
+            line[name] = txt
+        out.append(line)
+    return Table([Column("figure", "per rank", str, align="left")] + [Column(n, n, str) for n in sizes], out)
 
 
-def print_tokens(runs: dict[int, Any], records=None) -> None:
-    """Each request's greedy token ids at the first size, and whether every size produced the same."""
+def tokens_table(runs: dict[int, Any], records=None) -> Table:
+    """Each request's greedy token ids at the first size; a note per other size: did it produce the same.
+
+    Rows ``{"request", "tokens", "token_ids"}``."""
     first_tp, first = next(iter(runs.items()))
-    for i, o in enumerate(first.outputs):
-        print(f"request {i}: {len(o.outputs[0].token_ids)} tokens {o.outputs[0].token_ids}")
-    for tp, same in same_tokens(runs).items():
-        if tp != first_tp:
-            print(f"TP={tp} produced the same greedy tokens as TP={first_tp}: {same}")
+    rows = [
+        {"request": i, "tokens": len(o.outputs[0].token_ids), "token_ids": list(o.outputs[0].token_ids)}
+        for i, o in enumerate(first.outputs)
+    ]
+    notes = [
+        f"TP={tp} produced the same greedy tokens as TP={first_tp}: {same}"
+        for tp, same in same_tokens(runs).items()
+        if tp != first_tp
+    ]
+    return Table(
+        [
+            Column("request", "request"),
+            Column("tokens", "output (tokens)"),
+            Column("token_ids", f"greedy token ids at TP={first_tp}", str, align="left"),
+        ],
+        rows,
+        notes=notes,
+    )
 
 
 def explain_memory(rows: Sequence[dict[str, Any]], hidden_size: int, num_hidden_layers: int, dtype_bytes: int) -> None:
@@ -280,20 +300,27 @@ def comm_rows(run, dims: dict[str, int]) -> list[dict[str, Any]]:
     return out
 
 
-def print_comm(rows: Sequence[dict[str, Any]], every: int = 1) -> None:
-    """:func:`comm_rows` as a table, and whether every step's all-reduce bytes equal the formula."""
-    print(
-        f"{'step':>4} {'tokens':>6} {'all-reduced (B)':>16} {'(1+2L)·T·h·b':>14} {'all-gathered (B)':>17} {'collectives':>11}"
-    )
-    for i, r in enumerate(rows):
-        if i % every == 0 or i == len(rows) - 1:
-            print(
-                f"{r['step']:>4} {r['tokens']:>6} {r['allreduce_bytes']:>16,} {r['formula_bytes']:>14,} "
-                f"{r['allgather_bytes']:>17,} {r['collectives']:>11}"
-            )
+def comm_table(rows: Sequence[dict[str, Any]], every: int = 1) -> Table:
+    """:func:`comm_rows` as a table (every ``every``-th step and the last), and a note: on how many
+    steps the all-reduce bytes equal the formula, and the MiB all-reduced in the run."""
+    picked = [r for i, r in enumerate(rows) if i % every == 0 or i == len(rows) - 1]
     same = sum(r["allreduce_bytes"] == r["formula_bytes"] for r in rows)
     total = sum(r["allreduce_bytes"] for r in rows)
-    print(f"all-reduced bytes equal to the formula on {same} of {len(rows)} steps; {total / MiB:,.2f} MiB in the run")
+    n = "{:,}".format
+    return Table(
+        [
+            Column("step", "step"),
+            Column("tokens", "tokens"),
+            Column("allreduce_bytes", "all-reduced (B)", n),
+            Column("formula_bytes", "(1+2L)·T·h·b (B)", n),
+            Column("allgather_bytes", "all-gathered (B)", n),
+            Column("collectives", "collectives"),
+        ],
+        picked,
+        notes=[
+            f"all-reduced bytes equal to the formula on {same} of {len(rows)} steps; {total / MiB:,.2f} MiB in the run"
+        ],
+    )
 
 
 def same_tokens(runs: dict[int, Any]) -> dict[int, bool]:
@@ -327,16 +354,21 @@ def time_split_rows(runs: dict[int, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def print_time_split(rows: Sequence[dict[str, Any]]) -> None:
-    """:func:`time_split_rows` as a table (timings: they vary from run to run)."""
-    print(
-        f"{'':<6} {'steps':>5} {'schedule':>9} {'compute':>9} {'comm.':>9} {'sample':>9} {'comm. share of model':>21}"
+def time_split_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`time_split_rows` as a table, mean milliseconds per step (timings: they vary from run to run)."""
+    ms = "{:.1f}".format
+    return Table(
+        [
+            Column("tensor_parallel_size", "", lambda v: f"TP={v}", align="left"),
+            Column("steps", "steps"),
+            Column("schedule_ms", "schedule (ms)", ms),
+            Column("compute_ms", "compute (ms)", ms),
+            Column("communication_ms", "comm. (ms)", ms),
+            Column("sample_ms", "sample (ms)", ms),
+            Column("communication_share", "comm. share of model (%)", "{:.0%}".format),
+        ],
+        rows,
     )
-    for r in rows:
-        print(
-            f"TP={r['tensor_parallel_size']:<3} {r['steps']:>5} {r['schedule_ms']:>7.1f}ms {r['compute_ms']:>7.1f}ms "
-            f"{r['communication_ms']:>7.1f}ms {r['sample_ms']:>7.1f}ms {r['communication_share']:>21.0%}"
-        )
 
 
 _SPLIT = (("schedule_ms", "scheduling"), ("compute_ms", "compute"), ("communication_ms", "communication"),
