@@ -128,7 +128,20 @@ def open_notebook(page, base: str, token: str, name: str) -> None:
     workspace = "review-" + "".join(c if c.isalnum() else "-" for c in Path(name).stem)
     page.goto(f"{base}/lab/workspaces/{workspace}/tree/{name}?reset&token={token}", timeout=120_000)
     page.wait_for_selector(f"{CURRENT} .jp-Notebook .jp-Cell", timeout=120_000)
+    # The status indicator reads "idle" before any kernel exists; with the app exposed, wait for the
+    # notebook's own session: ready, its kernel connected and idle (cells run before that are dropped).
+    if page.evaluate("() => !!window.jupyterapp"):
+        page.wait_for_function(KERNEL_READY, timeout=180_000, polling=500)
     page.wait_for_selector(f"{CURRENT} .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=180_000)
+
+
+#: True once the notebook on screen has a ready session whose kernel is connected and idle.
+KERNEL_READY = """() => {
+    const w = window.jupyterapp.shell.currentWidget;
+    const sc = w && w.sessionContext;
+    const k = sc && sc.session && sc.session.kernel;
+    return !!(sc && sc.isReady && k && k.connectionStatus === 'connected' && k.status === 'idle');
+}"""
 
 
 def shutdown_kernels(base: str, token: str) -> int:
@@ -149,7 +162,8 @@ def _run_all_command(page) -> None:
     """Run > Run All Cells on the notebook on screen: through the app's command registry when the
     app is exposed (no menu to hit under load), else through the menus."""
     if page.evaluate("() => !!window.jupyterapp"):
-        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        # not awaited: the command's promise settles only when every cell has run (never, if dropped)
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
         return
     page.keyboard.press("Escape")  # a dialog or menu left open
     page.locator(f"{CURRENT} .jp-Notebook").first.click(position={"x": 5, "y": 5})
@@ -173,14 +187,19 @@ def run_all_cells(page, timeout_s: float = 600) -> tuple[bool, int]:
     for tries in range(1, 4):  # noqa: B007  (returned)
         _run_all_command(page)
         started = time.time()
+        idle_since = None
         dropped = False
         while time.time() < deadline:
             prompts = cell_prompts(page)
             if all_ran(prompts):
                 return True, tries
             idle = page.locator(f"{CURRENT} .jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+            idle_since = (idle_since or time.time()) if idle else None
             if idle and "[*]:" not in prompts and time.time() - started > 20:
                 dropped = True  # nothing running, cells not run: an error stopped it, or it was dropped
+                break
+            if idle_since and time.time() - idle_since > 45:
+                dropped = True  # cells queued ([*]) but the kernel idle for 45 s: the requests were lost
                 break
             time.sleep(2)
         if not dropped or error_texts(page):
