@@ -220,9 +220,11 @@ def empty_plots(page) -> list[int]:
 
 
 def wrapped_table_cells(page) -> list[str]:
-    """Texts of HTML table cells in outputs whose content wraps onto a second line (a number split in two)."""
+    """Texts of HTML table cells in outputs whose content wraps onto a second line (a number split in
+    two). Headers and prose cells (``wb-prose``: sentences) are made to wrap between words, so they
+    are not counted."""
     return page.evaluate(
-        """() => Array.from(document.querySelectorAll('.jp-OutputArea-output table td, .jp-OutputArea-output table th'))
+        """() => Array.from(document.querySelectorAll('.jp-OutputArea-output table td:not(.wb-prose)'))
               .filter(c => {
                   const text = c.innerText.trim();
                   if (!text) return false;

@@ -11,7 +11,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, lab_run, lab_trace
-from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, budget_colour
+from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, budget_colour, title_above_legend
 from workbench.viz.table import Column, Table
 
 MiB = 1 << 20
@@ -80,11 +80,11 @@ def budget_figure(memory: dict, title: str = "Where the memory goes") -> go.Figu
         )
     fig.update_layout(
         barmode="stack",
-        title=title,
+        title=title_above_legend(title),
         xaxis_title="device memory (MiB)",
-        height=300,
+        height=330,
         legend=LEGEND_ABOVE | {"traceorder": "normal"},
-        margin={"t": LEGEND_ABOVE_MARGIN + 20},
+        margin={"t": LEGEND_ABOVE_MARGIN + 30},
     )
     return fig
 
@@ -153,7 +153,7 @@ def claims_table(rows: Sequence[dict[str, str]]) -> Table:
         [
             Column("n", "#", lambda v: "" if v is None else str(v)),
             Column("what", "", align="left"),
-            Column("text", "", align="left"),
+            Column("text", "", align="left", prose=True),
         ],
         out,
         title="Claims in circulation, measured",
@@ -547,7 +547,7 @@ def fits_table(
         )
         rows.append({"model": model, "gpu": gpu, "tensor_parallel_size": tp, "fits": r.fits, "verdict": r.verdict()})
     return Table(
-        [Column("model", "model", align="left"), Column("verdict", "kv-calc's verdict", align="left")],
+        [Column("model", "model", align="left"), Column("verdict", "kv-calc's verdict", align="left", prose=True)],
         rows,
         title=f"Does it fit? float16, sequences of {seq_len:,} tokens, gpu_memory_utilization {gpu_memory_utilization:g}",
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,7 +106,7 @@ def check(exercise_id: str, answer: Any = ..., **context: Any) -> Verdict:
         ok, why = False, f"your answer raised {type(e).__name__}: {e}"
     if not ok and probe is not None and probe.returned_none and not probe.returned_value:
         why = "your function returned None — is a `return` missing?"
-    print(f"[{exercise_id}] {'correct' if ok else 'not yet'}: {why}")
+    _say(f"[{exercise_id}] {'correct' if ok else 'not yet'}: {why}")
     return Verdict(ok)
 
 
@@ -126,8 +127,20 @@ class Verdict:
 
 
 def _unanswered(ex: Exercise) -> Verdict:
-    print(f"[{ex.id}] not answered yet: {ex.question}\n    hint: {ex.hint}")
+    _say(f"[{ex.id}] not answered yet: {ex.question}")
+    _say(f"    hint: {ex.hint}")
     return Verdict(False)
+
+
+#: Width of a verdict line: a notebook's output column at 1366 px with the file browser open holds
+#: about 90 characters of monospace; longer lines would be broken inside words.
+VERDICT_WIDTH = 88
+
+
+def _say(text: str) -> None:
+    """Print ``text`` wrapped between words at :data:`VERDICT_WIDTH`, continuation lines indented."""
+    indent = " " * (len(text) - len(text.lstrip()) + 4)
+    print(textwrap.fill(text, VERDICT_WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False))
 
 
 class _Returns:

@@ -120,6 +120,27 @@ LEGEND_ABOVE: dict[str, Any] = {"orientation": "h", "yanchor": "bottom", "y": 1.
 LEGEND_ABOVE_MARGIN = 100
 
 
+def title_above_legend(text: str, **font: Any) -> dict[str, Any]:
+    """A figure title pinned to the top-left of the figure, above a :data:`LEGEND_ABOVE` legend.
+
+    Plotly centres an automatic title in the top margin, where a legend that wraps onto a third row
+    (a narrow notebook column) covers it; pinned to the top it stays clear. Give such a figure a top
+    margin of ``LEGEND_ABOVE_MARGIN + 30``."""
+    title: dict[str, Any] = {
+        "text": text,
+        "x": 0,
+        "xref": "paper",
+        "xanchor": "left",
+        "y": 1,
+        "yref": "container",
+        "yanchor": "top",
+        "pad": {"t": 10},
+    }
+    if font:
+        title["font"] = font
+    return title
+
+
 def plural(n: int, noun: str, plural_form: str | None = None) -> str:
     """``"1 request"``, ``"2 requests"``: ``n`` with ``noun`` in the right number."""
     return f"{n:,} {noun if n == 1 else (plural_form or noun + 's')}"

@@ -43,6 +43,7 @@ from workbench.viz.common import (
     count_axis,
     percent_axis,
     plural,
+    title_above_legend,
 )
 
 __all__ = [
@@ -504,11 +505,11 @@ def memory_timeline_figure(
     fig.update_yaxes(title_text=f"KV pool ({'token slots' if unit == 'tokens' else unit})", secondary_y=False)
     fig.update_xaxes(title_text="engine step" if x == "step" else "time since engine start (s)")
     fig.update_layout(
-        title={"text": title},
+        title=title_above_legend(title),
         hovermode="x unified",
-        height=480,
+        height=510,
         legend=LEGEND_ABOVE | {"traceorder": "normal"},
-        margin={"t": LEGEND_ABOVE_MARGIN},
+        margin={"t": LEGEND_ABOVE_MARGIN + 30},
     )
     return fig
 

@@ -26,7 +26,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.metrics.recorder import CallbackSink
-from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, MEMORY_CATEGORIES, count_axis, percent_axis
+from workbench.viz.common import (
+    LEGEND_ABOVE,
+    LEGEND_ABOVE_MARGIN,
+    MEMORY_CATEGORIES,
+    count_axis,
+    percent_axis,
+    title_above_legend,
+)
 from workbench.viz.figures import (
     _UNITS,
     CATEGORY_COLOURS,
@@ -278,11 +285,11 @@ class LiveMonitor:
         fig.update_yaxes(count_axis(1, title="requests"), row=2, col=1)
         fig.update_xaxes(title_text="engine step", row=2, col=1)
         fig.update_layout(
-            title={"text": "KV pool, live"},
-            height=560,
+            title=title_above_legend("KV pool, live"),
+            height=590,
             hovermode="x unified",
             legend=LEGEND_ABOVE,
-            margin={"t": LEGEND_ABOVE_MARGIN, "b": 40},
+            margin={"t": LEGEND_ABOVE_MARGIN + 30, "b": 40},
         )
         return fig
 

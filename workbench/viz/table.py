@@ -31,12 +31,15 @@ def plain(value: Any) -> str:
 @dataclass(frozen=True)
 class Column:
     """One column: ``key`` into each row, ``header`` (with the unit, e.g. ``"TPOT p50 (ms)"``),
-    ``align`` (``"right"`` for numbers, ``"left"`` for names and text) and ``fmt`` (raw value -> cell text)."""
+    ``align`` (``"right"`` for numbers, ``"left"`` for names and text), ``fmt`` (raw value -> cell
+    text) and ``prose`` (sentences: its cells wrap between words, class ``wb-prose``, instead of
+    running off the side; number columns never wrap)."""
 
     key: str
     header: str | None = None
     fmt: Callable[[Any], str] = plain
     align: str = "right"
+    prose: bool = False
 
     def __post_init__(self) -> None:
         if self.align not in ("left", "right"):
@@ -50,6 +53,10 @@ class Column:
 
 _TABLE_STYLE = "border-collapse:collapse;table-layout:auto;margin-left:0;margin-right:auto;width:auto"
 _CELL_STYLE = "white-space:nowrap;font-variant-numeric:tabular-nums;padding:2px 10px"
+# headers may wrap between words (never inside one), so a wide table fits a laptop's notebook column
+_HEADER_STYLE = "white-space:normal;vertical-align:bottom;padding:2px 10px"
+# a prose column (sentences) wraps between words, never inside one
+_PROSE_STYLE = "white-space:normal;overflow-wrap:normal;padding:2px 10px;text-align:left;min-width:16em"
 
 
 class Table:
@@ -144,8 +151,9 @@ class Table:
         p.text(self.text())
 
     def _repr_html_(self) -> str:
-        """A deterministic HTML ``<table>``: the title as its caption, headers and cells with
-        ``white-space:nowrap`` and tabular figures, numbers right-aligned; text escaped."""
+        """A deterministic HTML ``<table>``: the title as its caption; cells with ``white-space:nowrap``
+        and tabular figures, numbers right-aligned; headers that wrap between words only where the
+        table would not fit otherwise; text escaped."""
         esc = html.escape
         out = [f'<div class="wb-table" style="overflow-x:auto;max-width:100%"><table style="{_TABLE_STYLE}">']
         if self.title:
@@ -155,13 +163,16 @@ class Table:
         if self.header:
             out.append("<thead><tr>")
             for c in self.columns:
-                out.append(f'<th style="{_CELL_STYLE};text-align:{c.align}">{esc(c.title)}</th>')
+                out.append(f'<th style="{_HEADER_STYLE};text-align:{c.align}">{esc(c.title)}</th>')
             out.append("</tr></thead>")
         out.append("<tbody>")
         for row in self.cells():
             out.append("<tr>")
             for x, c in zip(row, self.columns):
-                out.append(f'<td style="{_CELL_STYLE};text-align:{c.align}">{esc(x)}</td>')
+                if c.prose:
+                    out.append(f'<td class="wb-prose" style="{_PROSE_STYLE}">{esc(x)}</td>')
+                else:
+                    out.append(f'<td style="{_CELL_STYLE};text-align:{c.align}">{esc(x)}</td>')
             out.append("</tr>")
         out.append("</tbody></table>")
         for n in self.notes:
