@@ -192,6 +192,7 @@ def test_sim_panels_run_and_name_bad_values():
     assert row["interconnect"] == "PCIe" and row["tensor_parallel_size"] == 8
     assert row == tpl.sim_run_row("llama-2-70b", "A100-80GB", "PCIe", 8, tpl.burst_trace(16))
     assert "8 x A100-80GB (PCIe)" in p.status.value and len(p.figure.data[0].x) == 1
+    assert p.status_text.startswith("8 x A100-80GB (PCIe)") and "<" not in p.status_text
     with pytest.raises(ValueError, match="not enough memory|does not fit|KV"):
         p.run(tensor_parallel_size=1)  # 70B in float16 does not fit one A100-80GB
     assert p.error and "memory" in p.status.value

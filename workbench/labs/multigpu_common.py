@@ -161,6 +161,7 @@ class _Panel(RunButtonThread):
         self._w = w
         self.controls = controls
         self.result = None
+        self.status_text = ""  # the status line as plain text (its widget shows it as HTML)
         self.history: list[tuple[dict, Any]] = []
         self._init_button(w)
         self.plot = plot
@@ -189,7 +190,11 @@ class _Panel(RunButtonThread):
             res = self._run(values)
         self.result = res
         self.history.append((values, res))
-        self.status.value = "<pre>" + html.escape(self._describe(values, res)) + "</pre>"
+        self.status_text = self._describe(values, res)
+        # monospace like a log line, but wrapped between words (a <pre> broke words at the edge)
+        self.status.value = (
+            f'<span style="font-family:monospace;white-space:normal">{html.escape(self.status_text)}</span>'
+        )
         return res
 
     @abstractmethod

@@ -444,6 +444,9 @@ class BufferPanel(_Panel):
                 "side": "right",
                 "rangemode": "tozero",
                 "showgrid": False,
+                # its own round ticks, not the left axis's gridlines carried over (169 / 338 / 507)
+                "tickmode": "auto",
+                "tickformat": ",d",
             },
             height=380,
             legend=LEGEND_ABOVE,

@@ -32,7 +32,13 @@ from workbench.labs.multigpu_common import (
     sim_table,
 )
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
-from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, percent_axis, share_colour_range
+from workbench.viz.common import (
+    LEGEND_ABOVE,
+    LEGEND_ABOVE_MARGIN,
+    percent_axis,
+    share_colour_range,
+    title_above_legend,
+)
 from workbench.viz.table import Column, Table
 
 __all__ = [
@@ -447,10 +453,10 @@ def sim_tp_figure(rows: Sequence[dict[str, Any]]) -> go.Figure:
     top = max(r["allreduce_share"] for r in rows)
     fig.update_yaxes(percent_axis(0, min(1.0, share_colour_range([top])[1])), row=1, col=2)
     fig.update_layout(
-        height=400,
-        title=f"{rows[0]['model']} on {rows[0]['gpu']}: NVLink vs PCIe",
-        legend=LEGEND_ABOVE,
-        margin={"t": LEGEND_ABOVE_MARGIN},
+        height=430,
+        title=title_above_legend(f"{rows[0]['model']} on {rows[0]['gpu']}: NVLink vs PCIe"),
+        legend=LEGEND_ABOVE | {"y": 1.1},  # above the two panels' own titles
+        margin={"t": LEGEND_ABOVE_MARGIN + 30},
     )
     return fig
 
