@@ -126,6 +126,8 @@ def test_sweep_heatmap_colour_ranges():
     assert (frag.zmin, frag.zmax) == (0, pytest.approx(0.08)) and frag.colorbar.tickformat == ".0%"
     pre = heatmap_figure(grid, rows, "preemptions").data[0]
     assert (pre.zmin, pre.zmax) == (0, 1) and pre.colorbar.tickformat == ",d"
+    assert (pre.colorbar.tick0, pre.colorbar.dtick) == (0, 1)  # 0 and 1 on the bar, not 0, "1" (0.5), 1
+    assert pre.colorbar.title.text == "count"  # the unit survives the merge with the range's colour bar
     assert "(" in heatmap_figure(grid, rows, "kv_utilization").layout.title.text  # the unit is in the title
 
 

@@ -45,7 +45,7 @@ import plotly.graph_objects as go
 
 from workbench.labs.panel import RunButtonThread
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_arg_names, check_engine_args, lab_run, lab_trace
-from workbench.viz.common import count_colour_range, share_colour_range
+from workbench.viz.common import count_colour_range, nice_step, share_colour_range
 
 __all__ = [
     "METRICS",
@@ -533,6 +533,9 @@ def _colour_range(metric: str, z: Sequence[Sequence[float | None]]) -> dict[str,
         lo, hi = share_colour_range(values)
     elif metric == "preemptions":
         lo, hi = count_colour_range(values)
+        # whole counts on the colour bar: 0, 1 for an all-zero grid (not 0, 0.5 -> "1", 1)
+        step = nice_step(hi - lo, integer=True)
+        return {"zmin": lo, "zmax": hi, "zauto": False, "colorbar": {"tick0": 0, "dtick": step}}
     else:
         return {"zauto": True}
     return {"zmin": lo, "zmax": hi, "zauto": False}
@@ -576,8 +579,7 @@ def heatmap_figure(grid: Mapping[str, Any], rows: Sequence[dict | None], metric:
         text=text,
         texttemplate="%{text}",
         colorscale="Viridis" if higher else "Viridis_r",
-        colorbar=_colorbar(metric),
-        **_colour_range(metric, z),
+        **_colour_range(metric, z) | {"colorbar": _colorbar(metric) | _colour_range(metric, z).get("colorbar", {})},
         hovertemplate=f"{xname}=%{{x}}<br>%{{y}}<br>{title}: %{{text}}<extra></extra>",
         xgap=2,
         ygap=2,
