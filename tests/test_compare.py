@@ -76,6 +76,23 @@ def test_compare_cli_batching_policies(tmp_path):
     assert all(x["batched_reqs_mean"] <= 2 for x in rows)
 
 
+def test_compare_warns_once_when_the_dataset_has_fewer_prompts(tmp_path, caplog):
+    ds = tmp_path / "p.jsonl"
+    ds.write_text("".join(json.dumps({"prompt": f"Name {i} colours.", "chat": True}) + "\n" for i in (2, 3)))
+    with caplog.at_level("WARNING"):
+        r = CliRunner().invoke(
+            main,
+            ["compare", "--kv-allocator", "paged,static", "--dataset", str(ds), "--num-prompts", "3",
+             "--max-tokens", "4", "--max-model-len", "512", "--output-dir", str(tmp_path / "out")],
+        )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    said = f"asked for 3 prompts; the dataset {ds} has 2 — running 2"
+    assert r.output.count(said) == 1  # printed once, below the table
+    assert [x.getMessage() for x in caplog.records if "asked for" in x.getMessage()] == [said]  # logged once
+    (folder,) = (tmp_path / "out").iterdir()
+    assert [x["requests_finished"] for x in json.loads((folder / "compare.json").read_text())] == [2, 2]
+
+
 def test_compare_rejects_unknown_variants_before_loading(tmp_path):
     r = CliRunner().invoke(main, ["compare", "--kv-allocator", "paged,buddy", "--output-dir", str(tmp_path)])
     assert r.exit_code != 0 and "buddy" in r.output and "orca-oracle" in r.output

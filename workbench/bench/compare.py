@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from workbench.bench.datasets import default_prompts, load_prompts
+from workbench.bench.datasets import select_prompts
 from workbench.bench.run import JobResult, run_job
 from workbench.kv.contiguous import KV_ALLOCATORS
 from workbench.metrics.waste import USED_CATEGORIES, WASTE_CATEGORIES, waste_breakdown
@@ -27,11 +27,13 @@ from workbench.scheduler import BATCHING_POLICIES
 
 @dataclass
 class Comparison:
-    """Results of :func:`compare`: ``rows`` (one flat dict per variant, in run order), the runs, the folder."""
+    """Results of :func:`compare`: ``rows`` (one flat dict per variant, in run order), the runs, the
+    folder, and ``warnings`` (e.g. fewer prompts than asked for; said once, not per variant)."""
 
     rows: list[dict]
     results: dict[str, JobResult]
     out_dir: Path | None
+    warnings: list[str] = field(default_factory=list)
 
 
 def variant_label(allocator: str, policy: str) -> str:
@@ -101,7 +103,7 @@ def compare(
         )
     for k in ("kv_allocator", "batching_policy"):
         engine_args.pop(k, None)
-    records = load_prompts(dataset, num_prompts) if dataset else default_prompts()[:num_prompts]
+    records, short = select_prompts(num_prompts, dataset)
     variants = [(a, p) for p in batching_policies for a in allocators]
     needs_oracle = any(a in ("orca-oracle", "orca-pow2") for a, _ in variants)
     if needs_oracle and not all(r.output_len for r in records):
@@ -119,7 +121,7 @@ def compare(
         label = variant_label(a, p)
         res = run_job(
             dataset=dataset,
-            num_prompts=num_prompts,
+            num_prompts=len(records),  # what the dataset has: warned once above, not once per variant
             max_tokens=max_tokens,
             output_dir=out_dir,
             run_name=label.replace(" / ", "_"),
@@ -136,7 +138,7 @@ def compare(
     if out_dir is not None:
         (out_dir / "compare.json").write_text(json.dumps(rows, indent=2))
         write_compare_report(out_dir / "compare.html", rows, results, engine_args | {"max_tokens": max_tokens})
-    return Comparison(rows, results, out_dir)
+    return Comparison(rows, results, out_dir, [short] if short else [])
 
 
 _COLUMNS = [

@@ -11,11 +11,11 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from workbench.bench.datasets import PromptRecord, default_prompts, load_prompts
+from workbench.bench.datasets import PromptRecord, select_prompts
 from workbench.config import EngineConfig
 from workbench.entrypoints.llm import LLM
 from workbench.metrics import JsonlSink, Recorder
@@ -28,7 +28,8 @@ log = logging.getLogger("workbench")
 
 @dataclass
 class JobResult:
-    """What a run produced: outputs in prompt order, the recorder, the summary and the folder."""
+    """What a run produced: outputs in prompt order, the recorder, the summary and the folder;
+    ``warnings``: what the run changed of what it was asked (e.g. fewer prompts than asked for)."""
 
     outputs: list[RequestOutput]
     records: list[PromptRecord]
@@ -37,6 +38,7 @@ class JobResult:
     run_dir: Path | None
     wall_time_s: float
     memory: dict
+    warnings: list[str] = field(default_factory=list)
 
 
 def to_engine_prompt(rec: PromptRecord):
@@ -69,7 +71,8 @@ def run_job(
     Args:
         dataset: ShareGPT JSON or JSONL (see :mod:`workbench.bench.datasets`); ``None`` = the
             project's default prompts.
-        num_prompts: first N prompts (``None`` = all).
+        num_prompts: first N prompts (``None`` = all); a source with fewer runs all it has, with a
+            warning (logged, and in :attr:`JobResult.warnings`).
         max_tokens: output cap per request (a record's own ``max_tokens`` wins).
         temperature, top_p, top_k, ignore_eos: sampling (seeded by the engine's ``seed``).
         output_dir: parent of the run folder; ``None`` writes nothing.
@@ -92,12 +95,7 @@ def run_job(
 
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts} must be >= 1")
-    if records is not None:
-        if dataset is not None:
-            raise ValueError("give either dataset or records, not both")
-        records = list(records)[:num_prompts]
-    else:
-        records = load_prompts(dataset, num_prompts) if dataset else default_prompts()[:num_prompts]
+    records, short = select_prompts(num_prompts, dataset, records)
     if not records:
         raise ValueError(f"dataset {dataset} has no prompts")
     # sampling parameters are checked before the model loads
@@ -125,9 +123,8 @@ def run_job(
             )
             base = {k: v for k, v in engine_args.items() if k not in ("kv_allocator", "batching_policy")}
             pre = run_job(
-                dataset=dataset,
                 records=records,
-                num_prompts=num_prompts,
+                num_prompts=None,  # records are this job's already: no second warning
                 max_tokens=max_tokens,
                 temperature=temperature,
                 top_p=top_p,
@@ -196,4 +193,4 @@ def run_job(
         write_report(
             run_dir / "report.html", steps, reqs, summary, config, title="workbench run", block_maps=recorder.block_maps
         )
-    return JobResult(outputs, records, recorder, summary, run_dir, wall, memory)
+    return JobResult(outputs, records, recorder, summary, run_dir, wall, memory, [short] if short else [])
