@@ -115,6 +115,13 @@ def test_second_start_reads_the_safetensors_cache(bundled_llm):
 
     loaded = load_model("smollm2-135m", folder.parent.parent)
     assert loaded.folder == folder and loaded.tokenizer is not None
+    # the cache is keyed by the GGUF's content: every checkout and install of it shares this folder
+    import hashlib
+
+    from workbench.model.loader import bundled_model_path
+
+    digest = hashlib.sha256(bundled_model_path().read_bytes()).hexdigest()
+    assert folder.name == f"SmolLM2-135M-Instruct.Q4_1-{digest[:16]}"
 
 
 BUNDLED_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
