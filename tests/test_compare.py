@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -74,6 +75,12 @@ def test_compare_cli_batching_policies(tmp_path):
     rows = json.loads((folder / "compare.json").read_text())
     assert [x["variant"] for x in rows] == ["paged", "paged / static"]
     assert all(x["batched_reqs_mean"] <= 2 for x in rows)
+    # each variant's progress bars (requests, tokens) carry its name; none is an anonymous "requests:"
+    bars = re.split(r"[\r\n]+", r.output)
+    for label in ("paged", "paged / static"):
+        assert any(x.startswith(f"{label}: requests: 100%") for x in bars), label
+        assert any(x.startswith(f"{label}: tokens  : 100%") for x in bars), label
+    assert not any(x.startswith(("requests:", "tokens")) for x in bars)
 
 
 def test_compare_warns_once_when_the_dataset_has_fewer_prompts(tmp_path, caplog):

@@ -126,6 +126,7 @@ def compare(
             output_dir=out_dir,
             run_name=label.replace(" / ", "_"),
             progress=progress,
+            progress_label=label,
             kv_allocator=a,
             batching_policy=p,
             expected_output_lens=lens if a in ("orca-oracle", "orca-pow2") else None,

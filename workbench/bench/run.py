@@ -18,6 +18,7 @@ from pathlib import Path
 from workbench.bench.datasets import PromptRecord, select_prompts
 from workbench.config import EngineConfig
 from workbench.entrypoints.llm import LLM
+from workbench.entrypoints.progress import labelled_tqdm
 from workbench.metrics import JsonlSink, Recorder
 from workbench.metrics.waste import flatten_breakdown, waste_breakdown
 from workbench.outputs import RequestOutput
@@ -59,6 +60,7 @@ def run_job(
     ignore_eos: bool = False,
     output_dir: str | Path | None = "runs",
     progress: bool = True,
+    progress_label: str | None = None,
     llm: LLM | None = None,
     expected_output_lens: list[int] | None = None,
     run_name: str | None = None,
@@ -76,7 +78,8 @@ def run_job(
         max_tokens: output cap per request (a record's own ``max_tokens`` wins).
         temperature, top_p, top_k, ignore_eos: sampling (seeded by the engine's ``seed``).
         output_dir: parent of the run folder; ``None`` writes nothing.
-        progress: show a progress bar of finished requests.
+        progress: show progress bars of finished requests and of tokens processed.
+        progress_label: names the bars (``"paged / static: requests"``), e.g. a variant of ``compare``.
         llm: an already built engine (``engine_args`` are then ignored).
         expected_output_lens: true output length (tokens) per prompt, for the ``orca-oracle`` and
             ``orca-pow2`` allocators. When they are not given, the records' ``output_len`` is used if
@@ -132,6 +135,7 @@ def run_job(
                 ignore_eos=ignore_eos,
                 output_dir=None,
                 progress=progress,
+                progress_label=f"{progress_label + ', ' if progress_label else ''}paged run for the output lengths",
                 **base,
             )
             expected_output_lens = [max(1, len(o.outputs[0].token_ids)) for o in pre.outputs]
@@ -160,7 +164,8 @@ def run_job(
     eng = llm.llm_engine
     prompts = [to_engine_prompt(r) for r in records]
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=progress, expected_output_lens=expected_output_lens)
+    bars = labelled_tqdm(progress_label) if progress and progress_label else progress
+    outputs = llm.generate(prompts, params, use_tqdm=bars, expected_output_lens=expected_output_lens)
     wall = time.perf_counter() - t0
     recorder.close()
     steps = [s.to_dict() for s in recorder.steps]
