@@ -182,18 +182,32 @@ def comparison_table(rows: list[dict]) -> str:
     return f'<table class="summary"><caption>side by side</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+def variant_timeline_figure(label: str, steps: list[dict]):
+    """One variant's KV pool over the run (:func:`~workbench.viz.figures.memory_timeline_figure`, in
+    token slots per step), titled by the variant. Kept at the timeline's own height: a shorter plot
+    area than the right axis' title clips the title and lets the legend cover the top tick labels."""
+    from workbench.viz.figures import memory_timeline_figure
+
+    fig = memory_timeline_figure(steps, unit="tokens", x="step")
+    fig.update_layout(title_text=f"KV pool over the run: {label}")
+    return fig
+
+
+def compare_figures(steps: dict[str, list[dict]], requests: dict[str, list[dict]]) -> list:
+    """The page's figures: waste bars, latency CDFs (TTFT, end-to-end), one memory timeline per variant."""
+    from workbench.viz.figures import latency_cdf_figure, waste_bars_figure
+
+    figs = [waste_bars_figure(steps), latency_cdf_figure(requests, metric=["ttft_s", "e2e_s"])]
+    return figs + [variant_timeline_figure(k, st) for k, st in steps.items()]
+
+
 def write_compare_report(path: Path, rows: list[dict], results: dict[str, JobResult], config: dict) -> Path:
     """A self-contained HTML page: the table, waste bars, memory timelines, latency CDFs."""
-    from workbench.viz.figures import latency_cdf_figure, memory_timeline_figure, waste_bars_figure
     from workbench.viz.report import _CSS, _LEGEND_HTML, _kv_table
 
     steps = {k: [s.to_dict() for s in r.recorder.steps] for k, r in results.items()}
     reqs = {k: [q.to_dict() for q in r.recorder.requests] for k, r in results.items()}
-    figs = [waste_bars_figure(steps), latency_cdf_figure(reqs, metric=["ttft_s", "e2e_s"])]
-    for k, st in steps.items():
-        f = memory_timeline_figure(st, unit="tokens", x="step")
-        f.update_layout(title=f"KV pool over the run: {k}", height=320)
-        figs.append(f)
+    figs = compare_figures(steps, reqs)
     parts = []
     for i, fig in enumerate(figs):
         parts.append(
