@@ -196,6 +196,13 @@ def run_job(
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (run_dir / "config.json").write_text(json.dumps(config | {"memory": memory}, indent=2, default=str))
         write_report(
-            run_dir / "report.html", steps, reqs, summary, config, title="workbench run", block_maps=recorder.block_maps
+            run_dir / "report.html",
+            steps,
+            reqs,
+            summary,
+            config,
+            title="workbench run",
+            block_maps=recorder.block_maps,
+            memory=memory,
         )
     return JobResult(outputs, records, recorder, summary, run_dir, wall, memory, [short] if short else [])

@@ -218,5 +218,6 @@ def simulate_job(
             config | shown,
             title=f"workbench simulate: {spec.arch.name} on {eng.memory.device_name}",
             block_maps=recorder.block_maps,
+            memory=eng.memory.to_dict(),
         )
     return SimResult(eng, summary, tl, run_dir, wall)
