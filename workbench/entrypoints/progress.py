@@ -81,9 +81,9 @@ class GenerateProgress:
             self.decode += step.num_decode_tokens
         done = self.prefill + self.decode
         self.tokens.total = max(self.total, done)  # recompute preemption processes prompts again
-        self.tokens.update(done - self._shown)
-        self._shown = done
         self.tokens.set_postfix_str(f"prefill {self.prefill:,} + decode {self.decode:,}", refresh=False)
+        self.tokens.update(done - self._shown)  # redraws (at most every tqdm's mininterval)
+        self._shown = done
         now = time.perf_counter()
         if step is not None and (finished or now - self._last_postfix > self.REFRESH_S):
             self._postfix(step, refresh=True)
