@@ -86,7 +86,9 @@ def test_memory_budget_too_small_is_a_startup_error(tiny_model):
     # tokens of 512 B: the error names the pool (whole blocks of 16) and the largest max_model_len that fits
     with pytest.raises(ValueError) as e:
         LLM(model=str(tiny_model), device_memory=800_000, max_model_len=512, max_num_batched_tokens=64)
-    m = re.search(r"holds ([\d,]+) tokens \((\d+) blocks x 16\).*max_model_len=512.*max_model_len <= ([\d,]+)", str(e.value))
+    m = re.search(
+        r"holds ([\d,]+) tokens \((\d+) blocks x 16\).*max_model_len=512.*max_model_len <= ([\d,]+)", str(e.value)
+    )
     assert m, str(e.value)
     pool = int(m.group(1).replace(",", ""))
     assert pool == int(m.group(2)) * 16 < 512 and int(m.group(3).replace(",", "")) == pool
@@ -216,12 +218,13 @@ def test_progress_counts_tokens_while_no_request_has_finished(tiny_model):
     before = sorted({n for desc, n in FakeBar.log[:first_done] if desc == "paged: tokens" and n > 0})
     assert len(before) >= 5 and before[:3] == [16, 32, 48]
     assert all(n <= total for n, total in toks.history)  # never past its total
-    # the total started as the budget (prompts + 6 per request) and shrank to the truth
-    assert toks.history[0][1] == sum(map(len, ps)) + 3 * 6
+    # the total is the truth from the start here: every prompt, then 5 decode steps per request (the
+    # 6th token is sampled, never fed back); no request stopped early
+    assert {total for _, total in toks.history} == {sum(map(len, ps)) + 3 * 5}
     assert [o.outputs[0].token_ids for o in outs] and len(outs) == 3
 
 
-def test_progress_total_gives_back_what_refused_and_early_stopping_requests_did_not_use(tiny_llm):
+def test_progress_total_follows_refused_requests_and_recompute(tiny_model, tiny_llm):
     FakeBar.made = []
     long = [7] * 300  # longer than max_model_len=256: refused
     seen = len(tiny_llm.llm_engine.recorder.steps)
@@ -232,3 +235,17 @@ def test_progress_total_gives_back_what_refused_and_early_stopping_requests_did_
     done = sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps)
     assert done == 3 + 3 and toks.n == toks.total == done
     assert reqs.n == 2 and reqs.desc == "requests"
+
+    # recompute preemption processes prompts again: the total grows with it, and still ends exactly
+    llm = LLM(model=str(tiny_model), block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+              max_model_len=128, num_gpu_blocks_override=40)  # fmt: skip
+    FakeBar.made = []
+    ps = prompts(8, seed=1)
+    llm.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=FakeBar)
+    reqs, toks = FakeBar.made
+    steps = llm.llm_engine.recorder.steps
+    assert sum(s.num_preempted_recompute for s in steps) > 0
+    done = sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps)
+    assert done > sum(map(len, ps)) + 8 * 19  # more than one pass: recomputed prompts
+    assert toks.n == toks.total == done and all(n <= total for n, total in toks.history)
+    assert max(total for _, total in toks.history) == done  # it grew to the truth, never past it

@@ -112,11 +112,11 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            from workbench.entrypoints.progress import GenerateProgress, planned_tokens
+            from workbench.entrypoints.progress import GenerateProgress, remaining_tokens
 
-            mml = eng.max_model_len
-            plan = {i: planned_tokens(len(t[0]), sp, mml) for i, t, sp in zip(ids, tokenized, sps)}
-            bar = GenerateProgress(use_tqdm if callable(use_tqdm) else tqdm, plan)
+            bar = GenerateProgress(
+                use_tqdm if callable(use_tqdm) else tqdm, len(ids), lambda: remaining_tokens(eng.scheduler)
+            )
         results: dict[str, RequestOutput] = {}
         rec = eng.recorder
         while eng.has_unfinished_requests():

@@ -8,10 +8,10 @@ bars, one above the other:
   waiting requests and KV utilization (refreshed at most twice a second);
 * ``tokens``: tokens the model has processed, prefill (prompt tokens computed) plus decode (one per
   running sequence per step), counted from every step's :class:`~workbench.metrics.StepStats`; the
-  postfix splits them (``prefill 9,812 + decode 1,240``). Its total is what the batch will process
-  at most — every prompt plus each sequence's output budget (``max_tokens``, capped by
-  ``max_model_len``) — and shrinks to the truth as requests finish (a request that stops early or
-  is refused gives back what it did not use), so it reaches exactly 100% at the end.
+  postfix splits them (``prefill 9,812 + decode 1,240``). Its total is what is done plus what the
+  unfinished requests still need at most (:func:`remaining_tokens`): it shrinks when a request stops
+  early, grows when a preempted one must recompute, drops by prefix-cache hits, and reaches exactly
+  100% at the end.
 
 Both bars are made by the same factory (``tqdm.auto.tqdm`` or the caller's ``use_tqdm``), so a
 label (:func:`labelled_tqdm`, e.g. the variant of ``workbench compare``) names both.
@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from workbench.outputs import RequestOutput
-from workbench.sampling import SamplingParams
 
 
 def labelled_tqdm(label: str, factory: Callable | None = None) -> Callable:
@@ -38,19 +37,20 @@ def labelled_tqdm(label: str, factory: Callable | None = None) -> Callable:
     return make
 
 
-def planned_tokens(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
-    """Tokens a request makes the model process at most: its prompt, then each of its ``n``
-    sequences' output budget (``max_tokens``, capped where prompt + output reach ``max_model_len``)."""
-    budget = max(0, min(params.max_tokens, max_model_len - prompt_len))
-    return prompt_len + params.n * budget
-
-
-def processed_tokens(out: RequestOutput) -> int:
-    """Tokens a finished request made the model process: its prompt, and for each sequence one
-    decode step per output token after the first (which the prefill samples); none when refused."""
-    if out.error:
-        return 0
-    return len(out.prompt_token_ids) + sum(max(0, len(c.token_ids) - 1) for c in out.outputs)
+def remaining_tokens(scheduler) -> int:
+    """Tokens the scheduler's unfinished requests still make the model process, at most: a request with
+    ``num_computed_tokens`` of its prompt and outputs in the cache still needs the rest of them, then one
+    decode step per output token it may still sample, up to its output budget (``max_tokens``, capped by
+    ``max_model_len``) less one — the last sampled token is never fed back. A request preempted by
+    recompute has ``num_computed_tokens = 0`` again; prefix-cache hits count as computed; parallel-sampling
+    siblings not forked yet share the prompt and need only their decode steps."""
+    n = 0
+    for queue in (scheduler.waiting, scheduler.running, scheduler.swapped):
+        for r in queue:
+            n += max(0, r.num_prompt_tokens + r.max_output_tokens - 1 - r.num_computed_tokens)
+    for siblings in scheduler.fork_pending.values():
+        n += sum(max(0, r.max_output_tokens - 1) for r in siblings)
+    return n
 
 
 class GenerateProgress:
@@ -58,32 +58,30 @@ class GenerateProgress:
 
     Args:
         factory: a tqdm-like factory (``tqdm.auto.tqdm``, or :func:`labelled_tqdm`).
-        planned: request id → :func:`planned_tokens`, for every request of the batch.
+        num_requests: requests of the batch.
+        remaining: tokens the unfinished requests still need (:func:`remaining_tokens` of the engine's scheduler).
     """
 
     REFRESH_S = 0.5  # postfix refresh of the requests bar while no request finishes
 
-    def __init__(self, factory: Callable, planned: dict[str, int]) -> None:
-        self.planned = dict(planned)
-        self.total = sum(self.planned.values())
-        self.prefill = self.decode = self._shown = 0
-        self.requests = factory(total=len(self.planned), desc="requests", unit="req")
-        self.tokens = factory(total=self.total, desc="tokens  ", unit="tok", unit_scale=True)
+    def __init__(self, factory: Callable, num_requests: int, remaining: Callable[[], int]) -> None:
+        self.remaining = remaining
+        self.prefill = self.decode = 0
+        self.requests = factory(total=num_requests, desc="requests", unit="req")
+        self.tokens = factory(total=remaining(), desc="tokens  ", unit="tok", unit_scale=True)
         self._last_postfix = 0.0
 
     def update(self, finished: Sequence[RequestOutput], step=None) -> None:
         """After one engine step: its finished requests and its :class:`StepStats` (``None``: none recorded)."""
-        for o in finished:
-            self.total -= self.planned.pop(o.request_id, 0) - processed_tokens(o)
         self.requests.update(len(finished))
+        done_before = self.prefill + self.decode
         if step is not None:
             self.prefill += step.num_prefill_tokens
             self.decode += step.num_decode_tokens
         done = self.prefill + self.decode
-        self.tokens.total = max(self.total, done)  # recompute preemption processes prompts again
+        self.tokens.total = done + self.remaining()
         self.tokens.set_postfix_str(f"prefill {self.prefill:,} + decode {self.decode:,}", refresh=False)
-        self.tokens.update(done - self._shown)  # redraws (at most every tqdm's mininterval)
-        self._shown = done
+        self.tokens.update(done - done_before)  # redraws (at most every tqdm's mininterval)
         now = time.perf_counter()
         if step is not None and (finished or now - self._last_postfix > self.REFRESH_S):
             self._postfix(step, refresh=True)
