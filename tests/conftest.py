@@ -12,6 +12,25 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 SHAREGPT_500 = SHARED_DATA / "sharegpt" / "ShareGPT_V3_filtered_500.json"
 
 
+def _runs_entries(folders: list[Path]) -> dict[str, dict[str, int] | None]:
+    """``{folder: {entry: mtime_ns}}`` of each ``runs/`` folder (``None`` when it does not exist)."""
+    return {str(d): {e.name: e.stat().st_mtime_ns for e in d.iterdir()} if d.is_dir() else None for d in folders}
+
+
+@pytest.fixture(autouse=True)
+def _tests_leave_runs_alone():
+    """Tests write only to temporary folders (pytest's ``tmp_path``): a test that adds, removes or
+    changes anything in the checkout's ``runs/`` (or the working directory's), e.g. by leaving a
+    command's default ``--output-dir runs`` in place, fails at teardown, naming what changed."""
+    folders = sorted({REPO / "runs", Path.cwd() / "runs"})
+    before = _runs_entries(folders)
+    yield
+    after = _runs_entries(folders)
+    if after != before:
+        changed = {d: sorted(set((after[d] or {}).items()) ^ set((before[d] or {}).items())) for d in after}
+        pytest.fail(f"this test wrote into runs/ (use tmp_path, e.g. --output-dir {{tmp_path}}): {changed}")
+
+
 def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
     """Save a random-weight Llama built from transformers' LlamaConfig as an HF folder (safetensors)."""
     from transformers import LlamaConfig, LlamaForCausalLM

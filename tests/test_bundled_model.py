@@ -115,3 +115,54 @@ def test_second_start_reads_the_safetensors_cache(bundled_llm):
 
     loaded = load_model("smollm2-135m", folder.parent.parent)
     assert loaded.folder == folder and loaded.tokenizer is not None
+    # the cache is keyed by the GGUF's content: every checkout and install of it shares this folder
+    import hashlib
+
+    from workbench.model.loader import bundled_model_path
+
+    digest = hashlib.sha256(bundled_model_path().read_bytes()).hexdigest()
+    assert folder.name == f"SmolLM2-135M-Instruct.Q4_1-{digest[:16]}"
+
+
+BUNDLED_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_the_hub_repo_id_names_the_bundled_model(bundled_llm, tmp_path, monkeypatch):
+    """`LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")` (and `workbench run --model ...`) runs the
+    bundled GGUF of that very model: same weights cache, same greedy tokens; nothing is downloaded."""
+    from workbench import LLM
+    from workbench.catalog import is_bundled_model
+    from workbench.config import EngineConfig
+    from workbench.model.loader import bundled_model_path, resolve_source
+
+    assert resolve_source(BUNDLED_REPO) == resolve_source(BUNDLED_REPO.lower()) == bundled_model_path()
+    EngineConfig(model=BUNDLED_REPO).validate()  # accepted before anything loads
+    with pytest.raises(FileNotFoundError, match="'smollm2-135m' \\(or 'HuggingFaceTB/SmolLM2-135M-Instruct'\\)"):
+        EngineConfig(model="HuggingFaceTB/SmolLM2-360M-Instruct").validate()  # another repo: not bundled
+    llm = LLM(model=BUNDLED_REPO, dtype="float32", max_num_seqs=4)
+    assert llm.llm_engine.model_folder == bundled_llm.llm_engine.model_folder
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(["The capital of France is"], params)]
+    ref = [o.outputs[0].token_ids for o in bundled_llm.generate(["The capital of France is"], params)]
+    assert ours == ref and len(ours[0]) == 12
+    # a local folder of that name wins over the alias, as in vLLM
+    (tmp_path / BUNDLED_REPO).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert not is_bundled_model(BUNDLED_REPO) and resolve_source(BUNDLED_REPO) == tmp_path / BUNDLED_REPO
+
+
+def test_run_command_takes_the_hub_repo_id(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from workbench.cli import main
+
+    res = CliRunner().invoke(
+        main,
+        ["run", "--model", BUNDLED_REPO, "--num-prompts", "2", "--max-tokens", "4", "--output-dir", str(tmp_path)],
+    )
+    assert res.exit_code == 0, res.output
+    (run_dir,) = tmp_path.iterdir()
+    assert json.loads((run_dir / "config.json").read_text())["model"] == BUNDLED_REPO
+    assert len((run_dir / "requests.jsonl").read_text().splitlines()) == 2

@@ -79,3 +79,13 @@ def test_run_refused_by_the_engine_leaves_no_run_folder(tmp_path):
     assert res.exit_code != 0
     assert "tensor_parallel_size=2" in res.output and "use one of [1, 3]" in res.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_run_says_when_the_dataset_has_fewer_prompts_than_asked(tmp_path):
+    ds = tmp_path / "p.jsonl"
+    ds.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "chat": True}) + "\n" for i in (2, 3)))
+    res = _run(["--dataset", str(ds), "--num-prompts", "5", "--max-tokens", "4", "--output-dir", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    assert f"warning: asked for 5 prompts; the dataset {ds} has 2 — running 2" in res.output
+    (run_dir,) = (tmp_path / "r").iterdir()
+    assert len((run_dir / "requests.jsonl").read_text().splitlines()) == 2

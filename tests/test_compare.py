@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
 
-from workbench.bench.compare import compare
+from workbench.bench.compare import compare, variant_timeline_figure, write_compare_report
 from workbench.cli import main
 
 pytestmark = pytest.mark.slow
@@ -74,8 +75,72 @@ def test_compare_cli_batching_policies(tmp_path):
     rows = json.loads((folder / "compare.json").read_text())
     assert [x["variant"] for x in rows] == ["paged", "paged / static"]
     assert all(x["batched_reqs_mean"] <= 2 for x in rows)
+    # each variant's progress bars (requests, tokens) carry its name; none is an anonymous "requests:"
+    bars = re.split(r"[\r\n]+", r.output)
+    for label in ("paged", "paged / static"):
+        assert any(x.startswith(f"{label}: requests: 100%") for x in bars), label
+        assert any(x.startswith(f"{label}: tokens  : 100%") for x in bars), label
+    assert not any(x.startswith(("requests:", "tokens")) for x in bars)
+
+
+def test_compare_warns_once_when_the_dataset_has_fewer_prompts(tmp_path, caplog):
+    ds = tmp_path / "p.jsonl"
+    ds.write_text("".join(json.dumps({"prompt": f"Name {i} colours.", "chat": True}) + "\n" for i in (2, 3)))
+    with caplog.at_level("WARNING"):
+        r = CliRunner().invoke(
+            main,
+            ["compare", "--kv-allocator", "paged,static", "--dataset", str(ds), "--num-prompts", "3",
+             "--max-tokens", "4", "--max-model-len", "512", "--output-dir", str(tmp_path / "out")],
+        )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    said = f"asked for 3 prompts; the dataset {ds} has 2 — running 2"
+    assert r.output.count(said) == 1  # printed once, below the table
+    assert [x.getMessage() for x in caplog.records if "asked for" in x.getMessage()] == [said]  # logged once
+    (folder,) = (tmp_path / "out").iterdir()
+    assert [x["requests_finished"] for x in json.loads((folder / "compare.json").read_text())] == [2, 2]
 
 
 def test_compare_rejects_unknown_variants_before_loading(tmp_path):
     r = CliRunner().invoke(main, ["compare", "--kv-allocator", "paged,buddy", "--output-dir", str(tmp_path)])
     assert r.exit_code != 0 and "buddy" in r.output and "orca-oracle" in r.output
+
+
+def _fake_run(pool_blocks: int, used: list[int]):
+    """A variant's records as the page reads them: steps with the pool split, two finished requests."""
+    from types import SimpleNamespace
+
+    def step(i, blocks):
+        slots, pool = blocks * 16, pool_blocks * 16
+        d = {"step": i, "time_s": 0.1 * i, "num_blocks": pool_blocks, "block_size": 16, "kv_bytes_per_token": 1024,
+             "token_states": slots - 5, "reservation": 3, "internal_fragmentation": 2, "external_fragmentation": 0,
+             "free": pool - slots, "kv_utilization": (slots - 5) / pool, "fragmentation_rate": 5 / slots,
+             "num_running": 2, "num_waiting": 1, "blocks_used": blocks, "blocks_free": pool_blocks - blocks}  # fmt: skip
+        return SimpleNamespace(to_dict=lambda: d)
+
+    reqs = [{"request_id": f"r{k}", "ttft_s": 0.1 * k, "e2e_s": 1.0 + k, "error": None} for k in (1, 2)]
+    return SimpleNamespace(
+        recorder=SimpleNamespace(
+            steps=[step(i, b) for i, b in enumerate(used)],
+            requests=[SimpleNamespace(to_dict=lambda r=r: r) for r in reqs],
+        )
+    )
+
+
+def test_variant_timelines_show_their_names_and_whole_right_axis_titles(tmp_path):
+    """compare.html's per-variant timelines were 320 px high: the right axis' title ("utilization,
+    fragmentation rate") ran past the plot, and the legend covered the 100% tick label. Each now
+    keeps the timeline's own layout: title at the top, legend above the plot, plot taller than the
+    title; rendered in Chromium, nothing is cut or covered."""
+    from browser_support import page_layout_problems
+
+    results = {"paged": _fake_run(300, [10, 80, 150, 40]), "paged / static": _fake_run(300, [200, 290, 120, 5])}
+    fig = variant_timeline_figure("paged / static", [s.to_dict() for s in results["paged / static"].recorder.steps])
+    lay = fig.layout
+    assert lay.title.text == "KV pool over the run: paged / static" and lay.title.yanchor == "top"
+    assert lay.legend.orientation == "h" and lay.legend.y > 1 and lay.yaxis2.automargin
+    assert lay.height - lay.margin.t - lay.margin.b >= 7.5 * len(lay.yaxis2.title.text)
+    rows = [{"variant": k} for k in results]
+    page = write_compare_report(tmp_path / "compare.html", rows, results, {"max_tokens": 8})
+    html = page.read_text()
+    assert html.count("KV pool over the run: paged") == 2 and html.count("Plotly.newPlot(") == 4
+    assert page_layout_problems(page, widths=(700, 1400)) == []

@@ -14,6 +14,7 @@ from workbench.bench.datasets import (
     PromptRecord,
     default_prompts,
     load_prompts,
+    select_prompts,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -363,3 +364,27 @@ def test_bad_num_prompts(tmp_path, bad, error):
     path = write_jsonl(tmp_path / "p.jsonl", [jline({"prompt": "x"})])
     with pytest.raises(error, match="num_prompts"):
         load_prompts(path, num_prompts=bad)
+
+
+# --- asking for more prompts than there are --------------------------------------------
+
+
+def test_asking_for_more_prompts_than_the_dataset_has_warns(tmp_path, caplog):
+    """`workbench run --num-prompts 100` on the 74 default prompts runs 74 and says so."""
+    with caplog.at_level(logging.WARNING, logger="workbench.bench.datasets"):
+        recs, warning = select_prompts(100)
+    assert len(recs) == 74
+    assert warning == "asked for 100 prompts; the dataset datasets/default_prompts.jsonl has 74 — running 74"
+    assert [r.getMessage() for r in caplog.records] == [warning]
+    f = write_jsonl(tmp_path / "two.jsonl", [jline({"prompt": "a"}), jline({"prompt": "b"})])
+    recs, warning = select_prompts(5, dataset=f)
+    assert [r.prompt for r in recs] == ["a", "b"]
+    assert warning == f"asked for 5 prompts; the dataset {f} has 2 — running 2"
+    recs, warning = select_prompts(3, records=recs)
+    assert len(recs) == 2 and warning == "asked for 3 prompts; the records given have 2 — running 2"
+    # enough prompts, or all of them asked for: no warning
+    caplog.clear()
+    assert select_prompts(74)[1] is None and select_prompts(None)[1] is None and select_prompts(2, dataset=f)[1] is None
+    assert len(select_prompts(None)[0]) == 74 and not caplog.records
+    with pytest.raises(ValueError, match="either dataset or records"):
+        select_prompts(2, dataset=f, records=recs)

@@ -86,7 +86,9 @@ def test_memory_budget_too_small_is_a_startup_error(tiny_model):
     # tokens of 512 B: the error names the pool (whole blocks of 16) and the largest max_model_len that fits
     with pytest.raises(ValueError) as e:
         LLM(model=str(tiny_model), device_memory=800_000, max_model_len=512, max_num_batched_tokens=64)
-    m = re.search(r"holds ([\d,]+) tokens \((\d+) blocks x 16\).*max_model_len=512.*max_model_len <= ([\d,]+)", str(e.value))
+    m = re.search(
+        r"holds ([\d,]+) tokens \((\d+) blocks x 16\).*max_model_len=512.*max_model_len <= ([\d,]+)", str(e.value)
+    )
     assert m, str(e.value)
     pool = int(m.group(1).replace(",", ""))
     assert pool == int(m.group(2)) * 16 < 512 and int(m.group(3).replace(",", "")) == pool
@@ -165,3 +167,85 @@ def test_step_stats_and_request_records(tiny_model, tmp_path):
         assert r["output_tokens"] == 10 and len(r["itl_s"]) == 9
         assert r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] and r["tpot_s"] > 0
         assert r["queue_time_s"] >= 0
+
+
+class FakeBar:
+    """A tqdm-like bar that keeps what generate() shows, snapshot by snapshot."""
+
+    made: list[FakeBar] = []
+    log: list[tuple[str, int]] = []  # (desc, n) of every update of every bar, in order
+
+    def __init__(self, total=None, desc="", unit="it", **kw):
+        self.total, self.desc, self.unit, self.n, self.postfix, self.closed = total, desc, unit, 0, "", False
+        self.history: list[tuple[int, float]] = []
+        FakeBar.made.append(self)
+
+    def update(self, k=1):
+        self.n += k
+        self.history.append((self.n, self.total))
+        FakeBar.log.append((self.desc.rstrip(), self.n))
+
+    def set_postfix(self, refresh=True, **kw):
+        self.postfix = ", ".join(f"{k}={v}" for k, v in kw.items())
+
+    def set_postfix_str(self, s="", refresh=True):
+        self.postfix = s
+
+    def close(self):
+        self.closed = True
+
+
+def test_progress_counts_tokens_while_no_request_has_finished(tiny_model):
+    """Long prompts prefilled in chunks: the requests bar sits at 0 for steps, the tokens bar moves
+    (prefill + decode tokens of every step), and ends at exactly its total."""
+    from workbench.entrypoints.progress import labelled_tqdm
+
+    llm = LLM(model=str(tiny_model), block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256)
+    ps = prompts(3, seed=5, lo=60, hi=80)
+    FakeBar.made, FakeBar.log = [], []
+    outs = llm.generate(ps, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=labelled_tqdm("paged", FakeBar))
+    reqs, toks = FakeBar.made
+    assert (reqs.desc, reqs.unit, toks.desc.rstrip(), toks.unit) == ("paged: requests", "req", "paged: tokens", "tok")
+    assert reqs.n == reqs.total == 3 and reqs.closed and toks.closed
+    steps = llm.llm_engine.recorder.steps
+    prefill, decode = sum(s.num_prefill_tokens for s in steps), sum(s.num_decode_tokens for s in steps)
+    assert prefill == sum(map(len, ps)) and decode == 3 * 5  # 6 outputs: the first sampled by the prefill
+    assert toks.n == toks.total == prefill + decode
+    assert toks.postfix == f"prefill {prefill:,} + decode {decode:,}"
+    assert "step=" in reqs.postfix and "kv=" in reqs.postfix
+    # before the first request finished, the tokens bar moved step by step (16-token prefill chunks)
+    first_done = next(i for i, (desc, n) in enumerate(FakeBar.log) if desc == "paged: requests" and n > 0)
+    before = sorted({n for desc, n in FakeBar.log[:first_done] if desc == "paged: tokens" and n > 0})
+    assert len(before) >= 5 and before[:3] == [16, 32, 48]
+    assert all(n <= total for n, total in toks.history)  # never past its total
+    # the total is the truth from the start here: every prompt, then 5 decode steps per request (the
+    # 6th token is sampled, never fed back); no request stopped early
+    assert {total for _, total in toks.history} == {sum(map(len, ps)) + 3 * 5}
+    assert [o.outputs[0].token_ids for o in outs] and len(outs) == 3
+
+
+def test_progress_total_follows_refused_requests_and_recompute(tiny_model, tiny_llm):
+    FakeBar.made = []
+    long = [7] * 300  # longer than max_model_len=256: refused
+    seen = len(tiny_llm.llm_engine.recorder.steps)
+    outs = tiny_llm.generate([long, [5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=FakeBar)
+    assert outs[0].error and not outs[1].error
+    reqs, toks = FakeBar.made
+    steps = tiny_llm.llm_engine.recorder.steps[seen:]
+    done = sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps)
+    assert done == 3 + 3 and toks.n == toks.total == done
+    assert reqs.n == 2 and reqs.desc == "requests"
+
+    # recompute preemption processes prompts again: the total grows with it, and still ends exactly
+    llm = LLM(model=str(tiny_model), block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+              max_model_len=128, num_gpu_blocks_override=40)  # fmt: skip
+    FakeBar.made = []
+    ps = prompts(8, seed=1)
+    llm.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=FakeBar)
+    reqs, toks = FakeBar.made
+    steps = llm.llm_engine.recorder.steps
+    assert sum(s.num_preempted_recompute for s in steps) > 0
+    done = sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps)
+    assert done > sum(map(len, ps)) + 8 * 19  # more than one pass: recomputed prompts
+    assert toks.n == toks.total == done and all(n <= total for n, total in toks.history)
+    assert max(total for _, total in toks.history) == done  # it grew to the truth, never past it

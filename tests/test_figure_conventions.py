@@ -16,6 +16,7 @@ from workbench.viz.common import (
     percent_axis,
     plural,
     share_colour_range,
+    title_and_legend_above,
 )
 from workbench.viz.figures import CATEGORY_COLOURS, block_map_cells, block_map_figure, memory_timeline_figure
 
@@ -50,6 +51,15 @@ def test_share_colour_scale_starts_at_zero():
     # an all-zero count grid: one colour and a 0..1 bar, not -0.5..0.5
     assert count_colour_range([0, 0, 0]) == (0.0, 1.0)
     assert count_colour_range([0, 3, None]) == (0.0, 3.0)
+
+
+def test_title_and_legend_above():
+    lay = title_and_legend_above("t", 400, margin_top=130, margin_bottom=80)
+    assert lay["legend"]["orientation"] == LEGEND_ABOVE["orientation"] and lay["legend"]["y"] == 1 + 14 / 190
+    assert lay["title"] == {"text": "t", "y": 1, "yanchor": "top", "pad": {"t": 14}}
+    assert lay["margin"] == {"t": 130, "b": 80} and lay["height"] == 400
+    with pytest.raises(ValueError, match="height=200 leaves no plot area"):
+        title_and_legend_above("t", 200)
 
 
 def test_plural_and_budget_colours():
@@ -107,8 +117,14 @@ def _step(i: int) -> dict:
 
 def test_memory_timeline_legend_clear_of_the_right_axis():
     fig = memory_timeline_figure([_step(i) for i in range(5)], unit="tokens")
-    assert fig.layout.legend.orientation == "h" and fig.layout.legend.y == LEGEND_ABOVE["y"]
-    assert fig.layout.margin.t >= 100
+    lay = fig.layout
+    plot = lay.height - lay.margin.t - lay.margin.b
+    assert lay.legend.orientation == "h" and lay.legend.yanchor == "bottom" and lay.legend.xanchor == "left"
+    assert (lay.legend.y - 1) * plot == pytest.approx(14)  # 14 px above the plot: clear of the 100% tick label
+    assert lay.margin.t >= 100 and lay.title.yanchor == "top" and lay.title.y == 1  # title above the legend's rows
+    # the plot area is taller than the right axis' title (about 7.5 px a character at 14 px), so the
+    # title cannot run into the legend or past the tick labels (compare.html's short timelines did)
+    assert plot >= 7.5 * len(lay.yaxis2.title.text) and lay.yaxis2.automargin
     assert fig.layout.yaxis2.tickformat == ".0%" and list(fig.layout.yaxis2.range) == [0, 1]
     assert fig.layout.yaxis2.dtick == pytest.approx(0.2)  # 0, 20, ..., 100%: not 13 / 26 / 39%
     assert fig.layout.yaxis.tickformat == ",d"  # token slots are whole

@@ -346,13 +346,64 @@ def test_cli_70b_on_4_a100():
 
 
 def test_cli_json_and_doesnt_fit():
+    """A model that does not fit the GPUs asked for exits with status 1 (scripts can tell), the
+    reason in one line; with --json stdout stays one JSON document and the reason goes to stderr."""
     out = CliRunner().invoke(main, ["kv-calc", "llama-2-70b", "--gpu", "RTX-4090", "--seq-len", "2048", "--json"])
-    assert out.exit_code == 0, out.output
-    d = json.loads(out.output)
+    assert out.exit_code == 1, out.output
+    d = json.loads(out.stdout)
     assert d["fits"] is False and d["weights_fit"] is False
     assert d["verdict"].startswith("DOES NOT FIT") and d["suggestions"]
+    assert out.stderr.strip() == d["verdict"] and "\n" not in out.stderr.strip()
     out = CliRunner().invoke(main, ["kv-calc", "llama-2-70b", "--gpu", "RTX-4090", "--seq-len", "2048"])
-    assert "DOES NOT FIT on 1 x RTX-4090" in out.output and "try --tensor-parallel-size" in out.output
+    assert out.exit_code == 1
+    verdict = [x for x in out.output.splitlines() if x.startswith("DOES NOT FIT")]
+    assert verdict == [d["verdict"]] and "weights 128.48 GiB" in verdict[0]
+    assert "try --tensor-parallel-size" in out.output
+    # weights fit, the KV pool does not hold one sequence: also status 1
+    out = CliRunner().invoke(main, ["kv-calc", "llama-2-13b", "--gpu-memory", "28GiB", "--seq-len", "4096"])
+    assert out.exit_code == 1 and "DOES NOT FIT on 1 x GPU of 28.00 GiB: weights fit, but the KV budget" in out.output
+    # it fits: status 0; no GPU asked for (sizes only): status 0
+    for args in (["--gpu", "A100-80GB", "-tp", "4"], ["--seq-len", "4096"], ["--gpu", "L4", "--json"]):
+        out = CliRunner().invoke(main, ["kv-calc", "llama-2-7b" if "L4" in args else "llama-2-70b", *args])
+        assert out.exit_code == 0, (args, out.output)
+
+
+def test_a_hub_repo_id_resolves_to_the_catalogue_entry_citing_it():
+    """`workbench kv-calc meta-llama/Llama-2-70b-hf` reads the catalogue entry whose source is that
+    repository's config.json, and says so; nothing is downloaded."""
+    out = CliRunner().invoke(main, ["kv-calc", "meta-llama/Llama-2-70b-hf", "--gpu", "A100-80GB", "-tp", "4"])
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines()[0] == "meta-llama/Llama-2-70b-hf → catalogue entry llama-2-70b"
+    by_name = kv_calc("llama-2-70b", gpu="A100-80GB", tensor_parallel_size=4)
+    assert f"FITS on 4 x A100-80GB: {by_name.kv_tokens:,} tokens" in out.output
+    assert by_name.resolved == ""  # a catalogue name is read literally
+    # every entry is found from the repository its source cites, and only from it
+    for m in MODELS.values():
+        repo = m.source.removeprefix("https://huggingface.co/").removesuffix("/blob/main/config.json")
+        assert load_arch(repo) is m and load_arch(repo.lower()) is m  # the hub ignores case too
+        assert kv_calc(repo).resolved == f"{repo} → catalogue entry {m.name}"
+    assert load_arch("HuggingFaceTB/SmolLM2-135M-Instruct").name == "smollm2-135m"
+    # a repository no entry cites, however close its name, is an error listing the catalogue
+    for repo in ("meta-llama/Llama-2-70b-chat-hf", "someone/Llama-2-70b-hf"):
+        with pytest.raises(ValueError, match="no catalogue entry cites that Hugging Face repository") as e:
+            load_arch(repo)
+        assert all(n in str(e.value) for n in MODELS) and "meta-llama/Llama-2-70b-hf" in str(e.value)
+    out = CliRunner().invoke(main, ["kv-calc", "meta-llama/Llama-2-70b-chat-hf"])
+    assert out.exit_code != 0 and "llama-2-70b (meta-llama/Llama-2-70b-hf)" in out.output
+    # the simulator reads models the same way
+    from workbench.sim.cli import _spec
+
+    spec = _spec("meta-llama/Llama-2-7b-hf", "L4", 1, "float16", "auto", "0", None, None)
+    assert spec.arch is MODELS["llama-2-7b"]
+
+
+def test_a_local_folder_named_like_a_repo_id_wins(tmp_path, monkeypatch):
+    from conftest import make_tiny_llama
+
+    monkeypatch.chdir(tmp_path)
+    make_tiny_llama(tmp_path / "meta-llama" / "Llama-2-70b-hf")
+    arch = load_arch("meta-llama/Llama-2-70b-hf")
+    assert arch.num_hidden_layers == 2 and kv_calc("meta-llama/Llama-2-70b-hf").resolved == ""
 
 
 def test_cli_list_and_errors():

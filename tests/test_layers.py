@@ -22,11 +22,12 @@ PACKAGES = ("workbench", "kernels")
 #: top-level Triton package, ``__init__`` the ``workbench`` facade. Lower numbers are lower layers;
 #: a module may import its own layer and below.
 LAYERS: dict[int, tuple[str, ...]] = {
-    # plain data and the KV managers: the engine arguments, requests, sampling parameters
-    0: ("config", "request", "sampling", "kv", "units", "comm", "inputs", "outputs", "plugins"),
+    # plain data and the KV managers: the engine arguments, requests, sampling parameters, the
+    # model/GPU catalogue (imports nothing of ours; config asks it which names are the bundled model)
+    0: ("config", "request", "sampling", "kv", "units", "comm", "inputs", "outputs", "plugins", "catalog"),
     # what the model and the engine core build on: attention backends and kernels, communication
-    # counters, the model/GPU catalogue, step statistics, the scheduler (over kv/)
-    1: ("attention", "kernels", "catalog", "metrics", "scheduler"),
+    # counters, step statistics, the scheduler (over kv/)
+    1: ("attention", "kernels", "metrics", "scheduler"),
     # the model (uses attention, comm, catalog) and the memory budget (uses attention)
     2: ("model", "memory"),
     # the KV calculator (a model's architecture, its memory budget)
@@ -38,6 +39,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     # everything built on the engine, and the facade
     6: ("server", "sim", "bench", "viz", "labs", "cli", "cli_options", "kvcalc_cli", "entrypoints", "__init__"),
 }
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)

@@ -8,6 +8,8 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
+from workbench.memory import MemoryBudget
+from workbench.viz.budget import budget_rows, budget_table_rows
 from workbench.viz.report import (
     MEMORY_CATEGORIES,
     batch_composition_figure,
@@ -15,6 +17,7 @@ from workbench.viz.report import (
     kv_blocks_figure,
     latency_figure,
     step_time_figure,
+    summary_label,
     summary_table,
     write_report,
 )
@@ -26,6 +29,21 @@ POOL = NUM_BLOCKS * BLOCK_SIZE
 PREEMPT_STEPS = {5, 12}
 
 PLOTLY_MARKER = "* plotly.js v"  # header comment of the inlined bundle
+
+#: a run's memory budget as the run records it (config.json's "memory"): 2 GiB x 0.9, the pool of NUM_BLOCKS
+MEMORY = MemoryBudget(
+    capacity_bytes=2 << 30,
+    gpu_memory_utilization=0.9,
+    weights_bytes=538_060_032,
+    activation_bytes=64_487_424,
+    comm_buffer_bytes=0,
+    kv_budget_bytes=int((2 << 30) * 0.9) - 538_060_032 - 64_487_424,
+    kv_bytes_per_token=BYTES_PER_TOKEN,
+    block_size=BLOCK_SIZE,
+    num_blocks=NUM_BLOCKS,
+    max_model_len=512,
+    source="cpu device_memory",
+).to_dict()
 
 
 def make_step(i: int) -> dict:
@@ -256,6 +274,10 @@ def test_kv_blocks_figure(steps):
     assert "MiB" in fig.layout.yaxis.title.text
     assert "customdata[0]" in fig.data[0].hovertemplate
     assert fig.data[0].customdata[3][0] == pytest.approx(0.03)
+    # the right axis counts blocks at round values (not 64/5 = 12.8, 25.6, ...), over the same range
+    y2 = fig.layout.yaxis2
+    assert list(y2.range) == [0, NUM_BLOCKS] and y2.tickformat == ",d" and y2.dtick == 20 and y2.tick0 == 0
+    assert fig.layout.legend.orientation == "h" and fig.layout.legend.y > 1  # above the plot, clear of the axis
 
 
 def test_batch_composition_figure(steps):
@@ -273,6 +295,10 @@ def test_batch_composition_figure(steps):
     assert fig.data[2].yaxis == "y2" and fig.data[3].yaxis == "y2"
     assert sorted(fig.data[4].x) == sorted(PREEMPT_STEPS)
     assert fig.data[4].mode == "markers"
+    # both axes count, at round whole values: tokens (up to 36 per step) and requests (up to 4)
+    assert (fig.layout.yaxis.tickformat, fig.layout.yaxis.dtick) == (",d", 10)
+    assert (fig.layout.yaxis2.tickformat, fig.layout.yaxis2.dtick, fig.layout.yaxis2.rangemode) == (",d", 1, "tozero")
+    assert fig.layout.legend.orientation == "h" and fig.layout.legend.y > 1
 
 
 def test_step_time_figure(steps):
@@ -343,8 +369,40 @@ def test_format_value():
     assert format_value({"a": 1}) == '{"a": 1}'
 
 
+def test_summary_labels_are_readable_with_units():
+    assert (
+        summary_label("ttft_p50_s") == "TTFT p50 (ms)" and summary_label("e2e_p99_s") == "end-to-end latency p99 (ms)"
+    )
+    assert summary_label("waste_token_states_pool_frac") == "token states (share of pool)"
+    assert (
+        summary_label("waste_internal_fragmentation_used_frac") == "internal fragmentation (share of occupied memory)"
+    )
+    assert summary_label("kv_utilization_mean_frac") == "KV utilization (mean over steps)"
+    assert summary_label("output_throughput_tok_s") == "output throughput (tok/s)"
+    # keys it does not know keep their name, with the unit their suffix says
+    assert summary_label("queue_p50_s") == "queue p50 (s)" and summary_label("hit_rate_frac") == "hit rate (share)"
+
+
+def test_budget_rows_follow_the_memory_figures():
+    rows = dict(budget_rows(MEMORY))
+    usable = int(MEMORY["capacity_bytes"] * 0.9)
+    assert rows["weights"] == MEMORY["weights_bytes"] and rows["KV pool (whole blocks)"] == NUM_BLOCKS * 16 * 65536
+    assert sum(rows.values()) == MEMORY["capacity_bytes"]  # the parts fill the device exactly
+    assert rows["held back: 1 - gpu_memory_utilization"] == MEMORY["capacity_bytes"] - usable
+    assert 0 <= rows["left: part of a block"] < MEMORY["kv_budget_bytes"] - NUM_BLOCKS * MEMORY["block_bytes"] + 1
+    # a bypass that set the pool leaves memory unused, not "part of a block"
+    set_by_override = dict(budget_rows(MEMORY | {"source": "num_gpu_blocks_override"}))
+    assert "left: unused" in set_by_override and "left: part of a block" not in set_by_override
+    table = {r[0]: r for r in budget_table_rows(MEMORY)}
+    assert table["capacity"][2] == "2,048.0" and table["capacity"][3] == "100.0%"
+    assert table["x gpu_memory_utilization"][1].startswith("0.9 (usable: 1,932,735,283 B)")
+    assert table["KV blocks"][1] == "64" and table["block size (tokens)"][1] == "16"
+    assert table["KV bytes per token"][1] == "65,536 B" and table["block bytes"][1] == "1,048,576 B"
+    assert table["sequences of max_model_len=512"][1] == "2.00 at once (max concurrency)"
+
+
 def test_write_report(tmp_path, steps, requests):
-    summary = summary_table(steps, requests, wall_time_s=2.0)
+    summary = summary_table(steps, requests, wall_time_s=2.0) | {"waste_token_states_pool_frac": 0.5}
     config = {
         "model": "tiny",
         "num_blocks": NUM_BLOCKS,
@@ -356,7 +414,7 @@ def test_write_report(tmp_path, steps, requests):
         steps,
         requests,
         summary,
-        config,
+        config | {"memory": MEMORY},  # as run_job's config.json: the budget is read from it
         title="run <&> 1",
     )
     assert out == tmp_path / "nested" / "dir" / "report.html"
@@ -365,20 +423,43 @@ def test_write_report(tmp_path, steps, requests):
     doc = out.read_text(encoding="utf-8")
     assert doc.startswith("<!DOCTYPE html>")
     assert doc.count(PLOTLY_MARKER) == 1
-    assert doc.count("Plotly.newPlot(") == 6  # 4 + memory timeline + waste bars (no block maps given)
+    assert doc.count("Plotly.newPlot(") == 7  # budget + 4 + memory timeline + waste bars (no block maps given)
     assert "<script src=" not in doc  # nothing loaded from a CDN
     # title and config strings are escaped
     assert "<title>run &lt;&amp;&gt; 1</title>" in doc
     assert "<i>zz-evil-zz" not in doc
     assert "&lt;i&gt;zz-evil-zz&lt;/i&gt;" in doc
     assert "max_batch" in doc
-    # summary keys and formatted values are in the page
-    for key in ("ttft_p50_s", "output_throughput_tok_s", "preemptions_total"):
-        assert f"<th>{key}</th>" in doc
-    assert f"<td>{format_value(summary['ttft_p99_s'])}</td>" in doc
-    assert "<td>0.496</td>" in doc  # ttft p99
-    assert "<td>17.500</td>" in doc  # output throughput
-    assert "<td>94.000</td>" in doc  # total throughput
+    # the memory budget comes first, under ARCHITECTURE's names, with bytes and MiB
+    budget = doc.index("<h2>Memory budget</h2>")
+    assert budget < doc.index("<caption>summary</caption>") < doc.index("KV cache memory over time")
+    section = doc[budget : doc.index("</section>", budget)]
+    for name, value in (
+        ("capacity", "2,147,483,648 B (cpu; cpu device_memory)"),
+        ("x gpu_memory_utilization", "0.9 (usable: 1,932,735,283 B)"),
+        ("weights", "538,060,032 B"),
+        ("activations (profiled peak)", "64,487,424 B"),
+        ("communication buffers", "0 B"),
+        ("KV pool (whole blocks)", "67,108,864 B (64 blocks x 1,048,576 B)"),
+        ("KV blocks", "64"),
+        ("block size (tokens)", "16"),
+        ("KV bytes per token", "65,536 B"),
+    ):
+        assert f"<th>{name}</th><td>{value}" in section, name
+    assert "<td>513.1</td><td>25.1%</td>" in section  # weights in MiB and share of capacity
+    assert "Where the device memory goes" in doc
+    assert '"memory"' not in doc and "<th>memory</th>" not in doc  # not dumped as JSON in the config table
+    # the summary: readable names with units (each key in its row's tooltip), shares in %, latencies in ms
+    for key, label, value in (
+        ("ttft_p99_s", "TTFT p99 (ms)", "496.0"),
+        ("output_throughput_tok_s", "output throughput (tok/s)", "17.500"),
+        ("total_throughput_tok_s", "total throughput (tok/s)", "94.000"),
+        ("preemptions_total", "preemptions", "2"),
+        ("waste_token_states_pool_frac", "token states (share of pool)", "50.0%"),
+        ("kv_utilization_mean_frac", "KV utilization (mean over steps)", f"{summary['kv_utilization_mean_frac']:.1%}"),
+    ):
+        assert f'<th title="{key}">{label}</th><td>{value}</td>' in doc, key
+    assert "<th>ttft_p50_s</th>" not in doc and "waste_token_states_pool_frac</th>" not in doc
     # figure titles and the legend of the memory categories
     for text in (
         "KV cache memory over time",
@@ -391,12 +472,22 @@ def test_write_report(tmp_path, steps, requests):
         assert text in doc
 
 
+def test_report_figures_are_not_cut_or_covered_in_a_browser(tmp_path, steps, requests):
+    """Rendered in Chromium at a narrow and a wide page: no title, axis title or legend is cut by its
+    figure's edge or covered by the legend, and no right-axis title is taller than its plot."""
+    from browser_support import page_layout_problems
+
+    summary = summary_table(steps, requests, wall_time_s=2.0)
+    out = write_report(tmp_path / "report.html", steps, requests, summary, {"model": "tiny"}, memory=MEMORY)
+    assert page_layout_problems(out, widths=(700, 1400)) == []
+
+
 def test_write_report_empty_inputs(tmp_path):
     summary = summary_table([], [], wall_time_s=0.0)
     out = write_report(tmp_path / "empty.html", [], [], summary, {})
     doc = out.read_text(encoding="utf-8")
     assert doc.count(PLOTLY_MARKER) == 1
     assert doc.count("Plotly.newPlot(") == 6  # 4 + memory timeline + waste bars (no block maps given)
-    assert "no data" in doc
+    assert "no data" in doc and "Memory budget" not in doc  # no budget given: no section
     assert "<td>n/a</td>" in doc
     assert "<title>workbench run</title>" in doc

@@ -84,7 +84,9 @@ def test_tp2_halves_per_gpu_weight_and_kv_bytes_and_adds_allreduce():
     msg = 64 * h * 2
     ring = 2 * (n - 1) * A100.link_latency_s + 2 * (n - 1) / n * msg / (A100.link_bandwidth * two.eff.link)
     # 2 all-reduces per layer + the vocab-parallel embedding's, and the logits' all-gather
-    gather = (n - 1) * A100.link_latency_s + (n - 1) / n * 64 * arch.vocab_size * 2 / (A100.link_bandwidth * two.eff.link)
+    gather = (n - 1) * A100.link_latency_s + (n - 1) / n * 64 * arch.vocab_size * 2 / (
+        A100.link_bandwidth * two.eff.link
+    )
     assert c2.comm_s == pytest.approx((2 * L + 1) * ring + gather)
     assert c2.memory_s < c1.memory_s
 
@@ -320,8 +322,12 @@ def test_simulate_cli_writes_the_run_folder(tmp_path):
     assert cfg["simulated"] and cfg["hardware"]["name"] == "L4" and cfg["trace"]["seed"] == 4
     tl = json.loads((d / "timeline.json").read_text())
     assert sum(w["arrived"] for w in tl) == len(reqs)
-    bad = CliRunner().invoke(main, ["simulate", "--model", "llama-2-70b", "-tp", "3", "--no-progress"])
+    refused = tmp_path / "refused"
+    bad = CliRunner().invoke(
+        main, ["simulate", "--model", "llama-2-70b", "-tp", "3", "--no-progress", "--output-dir", str(refused)]
+    )
     assert bad.exit_code != 0 and "tensor_parallel_size=3" in bad.output
+    assert not refused.exists()  # refused before it ran: no run folder, not even its parent
 
 
 def test_timeline_divides_each_window_by_the_time_it_covers():

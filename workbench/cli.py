@@ -127,6 +127,8 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     for rec, o in zip(res.records, res.outputs):
         if o.error:
             console.print(f"[red]request {o.request_id} (prompt {rec.id}) refused:[/red] {o.error}")
+    for w in res.warnings:  # logged at the start too; repeated here, below the progress bar and the table
+        console.print(f"warning: {w}", style="yellow", markup=False, soft_wrap=True)
     if res.run_dir is not None:
         console.print(f"report:   {res.run_dir / 'report.html'}")
         console.print(f"steps:    {res.run_dir / 'steps.jsonl'}")
@@ -209,6 +211,8 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
         refused = [(rec, o) for rec, o in zip(job.records, job.outputs) if o.error]
         for rec, o in refused:
             console.print(f"[red]{label}: prompt {rec.id} refused:[/red] {o.error}")
+    for w in res.warnings:
+        console.print(f"warning: {w}", style="yellow", markup=False, soft_wrap=True)
     if res.out_dir is not None:
         console.print(f"report: {res.out_dir / 'compare.html'}")
         console.print(f"rows:   {res.out_dir / 'compare.json'}")

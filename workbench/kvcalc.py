@@ -19,8 +19,10 @@ forward, CUDA graphs, NCCL buffers) is an explicit estimate: a size the caller g
 an overestimate per GPU under TP. The engine profiles the real peak at startup.
 
 Sources of an architecture (:func:`load_arch`; nothing is downloaded): a catalogue name
-(:mod:`workbench.catalog`), a ``config.json`` file, an HF model folder, a ``.gguf`` file
-(metadata read by transformers' GGUF support), or ``"bundled"`` for the bundled model's GGUF.
+(:mod:`workbench.catalog`), a Hugging Face repository id that a catalogue entry cites
+(``meta-llama/Llama-2-70b-hf`` → ``llama-2-70b``), a ``config.json`` file, an HF model folder, a
+``.gguf`` file (metadata read by transformers' GGUF support), or ``"bundled"`` for the bundled
+model's GGUF.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.catalog import MODELS, GPUSpec, ModelArch, find_gpu, find_model
+from workbench.catalog import HF_REPO_ID, MODELS, GPUSpec, ModelArch, find_gpu, find_model, find_model_by_repo, repo_of
 from workbench.memory import kv_bytes_per_token
 from workbench.model.shapes import arch_from_hf_config
 from workbench.units import parse_size  # the one size parser; importable from here as before
@@ -63,14 +65,17 @@ def load_arch(model: str) -> ModelArch:
 
     Args:
         model: a catalogue name (``"llama-2-13b"``; case and ``-``/``_`` ignored), ``"bundled"`` (the
-            bundled model's GGUF file), a ``config.json`` path (any ``.json``), an HF model folder
-            (its ``config.json``), or a ``.gguf`` file.
+            bundled model's GGUF file), a Hugging Face repository id that a catalogue entry's source
+            cites (``"meta-llama/Llama-2-70b-hf"``; an existing local path of that name wins), a
+            ``config.json`` path (any ``.json``), an HF model folder (its ``config.json``), or a
+            ``.gguf`` file.
 
     Raises:
         FileNotFoundError: a path that does not exist, a folder without ``config.json``, or the
             bundled package missing.
-        ValueError: not a catalogue name and not a path (lists the catalogue), or a file that
-            transformers cannot read as a config.
+        ValueError: not a catalogue name and not a path (lists the catalogue), a repository id no
+            catalogue entry cites (lists the catalogue and the repositories it cites), or a file
+            that transformers cannot read as a config.
     """
     from transformers import AutoConfig
 
@@ -83,6 +88,16 @@ def load_arch(model: str) -> ModelArch:
         path = bundled_model_path()
     else:
         path = Path(model).expanduser()
+    if not path.exists() and HF_REPO_ID.match(model.strip()):
+        by_repo = find_model_by_repo(model)
+        if by_repo is not None:
+            return by_repo
+        cited = ", ".join(f"{m.name} ({repo_of(m)})" for m in MODELS.values())
+        raise ValueError(
+            f"model={model!r} is not a local path, and no catalogue entry cites that Hugging Face repository "
+            f"(nothing is downloaded); the catalogue: {cited}. Give a catalogue name, or a local config.json, "
+            "HF model folder or .gguf file"
+        )
     if not path.exists():
         looks_like_path = "/" in model or "\\" in model or path.suffix in (".json", ".gguf") or model.startswith(".")
         if looks_like_path:
@@ -119,6 +134,8 @@ class KVCalcResult:
 
     Attributes:
         arch: the architecture.
+        resolved: how MODEL was read, when not literally (``"meta-llama/Llama-2-70b-hf → catalogue
+            entry llama-2-70b"``), else ``""``.
         dtype, kv_cache_dtype: dtype names of weights and KV cache.
         tensor_parallel_size: GPUs the model is split over.
         kv_heads_per_rank: KV heads each GPU holds.
@@ -172,6 +189,7 @@ class KVCalcResult:
     fits: bool | None = None
     suggestions: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    resolved: str = ""
 
     @property
     def weights_fit(self) -> bool | None:
@@ -263,6 +281,7 @@ def kv_calc(
         FileNotFoundError: see :func:`load_arch`.
     """
     arch = model if isinstance(model, ModelArch) else load_arch(model)
+    by_repo = isinstance(model, str) and (repo_of(arch) or "").lower() == model.strip().lower()
     w_dtype = _resolve_dtype(dtype, WEIGHT_DTYPES, "dtype")
     kv_name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     kv_dtype = _resolve_dtype(kv_name, KV_DTYPES, "kv_cache_dtype")
@@ -314,6 +333,7 @@ def kv_calc(
         seq_len=seq_len,
         activation_reserve_bytes=reserve,
         activation_reserve_how=reserve_how,
+        resolved=f"{model.strip()} → catalogue entry {arch.name}" if by_repo else "",
     )
     blocks_per_seq = math.ceil(seq_len / block_size) if seq_len else 1
     if seq_len:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 import torch
@@ -57,7 +58,8 @@ def print_catalog(console=None) -> None:
         g.add_row(x.name, f"{x.memory_bytes:,}", f"{x.memory_bytes / (1 << 30):,.0f}", x.datasheet, x.source)
     console.print(g)
     console.print(
-        "MODEL may also be a config.json, an HF model folder, a .gguf file, or 'bundled' (the bundled model's GGUF)",
+        "MODEL may also be a Hugging Face repository id that an entry cites (meta-llama/Llama-2-70b-hf), a "
+        "config.json, an HF model folder, a .gguf file, or 'bundled' (the bundled model's GGUF)",
         markup=False,
     )
 
@@ -73,6 +75,8 @@ def print_result(res: KVCalcResult, console=None) -> None:
     def b(n):
         return f"{n:,} B" if abs(n) < 1024 else f"{n:,} B ({fmt_bytes(n)})"
 
+    if res.resolved:
+        console.print(res.resolved, markup=False, soft_wrap=True)
     t = Table(title=f"workbench kv-calc: {a.name}", show_header=False)
     t.add_column("figure")
     t.add_column("value", overflow="fold")
@@ -195,11 +199,14 @@ def kv_calc_command(
     as_json,
 ):
     """KV-cache bytes per token and per block, weights per GPU, and how many tokens and SEQ_LEN
-    sequences fit, for MODEL: a catalogue name (--list), a config.json, an HF model folder, a
-    .gguf file, or 'bundled'. Nothing is downloaded.
+    sequences fit, for MODEL: a catalogue name (--list), a Hugging Face repository id that a
+    catalogue entry cites, a config.json, an HF model folder, a .gguf file, or 'bundled'. Nothing
+    is downloaded. Exit status: 0, or 1 when the model does not fit the GPU(s) asked for (--gpu or
+    --gpu-memory); the verdict line says why (with --json: on stderr, stdout stays JSON).
 
     \b
     workbench kv-calc llama-2-13b
+    workbench kv-calc meta-llama/Llama-2-70b-hf --gpu H100-80GB
     workbench kv-calc llama-2-70b --tensor-parallel-size 4 --gpu A100-80GB --seq-len 4096
     workbench kv-calc path/to/config.json --gpu-memory 24GiB --kv-cache-dtype fp8
     """
@@ -230,5 +237,9 @@ def kv_calc_command(
         raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps(res.to_dict(), indent=2, default=str))
+        if res.fits is False:
+            click.echo(res.verdict(), err=True)  # stdout stays one JSON document
     else:
         print_result(res)
+    if res.fits is False:
+        sys.exit(1)  # scripts can tell: `workbench kv-calc ... --gpu L4 && deploy`

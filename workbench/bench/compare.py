@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from workbench.bench.datasets import default_prompts, load_prompts
+from workbench.bench.datasets import select_prompts
 from workbench.bench.run import JobResult, run_job
 from workbench.kv.contiguous import KV_ALLOCATORS
 from workbench.metrics.waste import USED_CATEGORIES, WASTE_CATEGORIES, waste_breakdown
@@ -27,11 +27,13 @@ from workbench.scheduler import BATCHING_POLICIES
 
 @dataclass
 class Comparison:
-    """Results of :func:`compare`: ``rows`` (one flat dict per variant, in run order), the runs, the folder."""
+    """Results of :func:`compare`: ``rows`` (one flat dict per variant, in run order), the runs, the
+    folder, and ``warnings`` (e.g. fewer prompts than asked for; said once, not per variant)."""
 
     rows: list[dict]
     results: dict[str, JobResult]
     out_dir: Path | None
+    warnings: list[str] = field(default_factory=list)
 
 
 def variant_label(allocator: str, policy: str) -> str:
@@ -101,7 +103,7 @@ def compare(
         )
     for k in ("kv_allocator", "batching_policy"):
         engine_args.pop(k, None)
-    records = load_prompts(dataset, num_prompts) if dataset else default_prompts()[:num_prompts]
+    records, short = select_prompts(num_prompts, dataset)
     variants = [(a, p) for p in batching_policies for a in allocators]
     needs_oracle = any(a in ("orca-oracle", "orca-pow2") for a, _ in variants)
     if needs_oracle and not all(r.output_len for r in records):
@@ -119,11 +121,12 @@ def compare(
         label = variant_label(a, p)
         res = run_job(
             dataset=dataset,
-            num_prompts=num_prompts,
+            num_prompts=len(records),  # what the dataset has: warned once above, not once per variant
             max_tokens=max_tokens,
             output_dir=out_dir,
             run_name=label.replace(" / ", "_"),
             progress=progress,
+            progress_label=label,
             kv_allocator=a,
             batching_policy=p,
             expected_output_lens=lens if a in ("orca-oracle", "orca-pow2") else None,
@@ -136,7 +139,7 @@ def compare(
     if out_dir is not None:
         (out_dir / "compare.json").write_text(json.dumps(rows, indent=2))
         write_compare_report(out_dir / "compare.html", rows, results, engine_args | {"max_tokens": max_tokens})
-    return Comparison(rows, results, out_dir)
+    return Comparison(rows, results, out_dir, [short] if short else [])
 
 
 _COLUMNS = [
@@ -179,18 +182,32 @@ def comparison_table(rows: list[dict]) -> str:
     return f'<table class="summary"><caption>side by side</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+def variant_timeline_figure(label: str, steps: list[dict]):
+    """One variant's KV pool over the run (:func:`~workbench.viz.figures.memory_timeline_figure`, in
+    token slots per step), titled by the variant. Kept at the timeline's own height: a shorter plot
+    area than the right axis' title clips the title and lets the legend cover the top tick labels."""
+    from workbench.viz.figures import memory_timeline_figure
+
+    fig = memory_timeline_figure(steps, unit="tokens", x="step")
+    fig.update_layout(title_text=f"KV pool over the run: {label}")
+    return fig
+
+
+def compare_figures(steps: dict[str, list[dict]], requests: dict[str, list[dict]]) -> list:
+    """The page's figures: waste bars, latency CDFs (TTFT, end-to-end), one memory timeline per variant."""
+    from workbench.viz.figures import latency_cdf_figure, waste_bars_figure
+
+    figs = [waste_bars_figure(steps), latency_cdf_figure(requests, metric=["ttft_s", "e2e_s"])]
+    return figs + [variant_timeline_figure(k, st) for k, st in steps.items()]
+
+
 def write_compare_report(path: Path, rows: list[dict], results: dict[str, JobResult], config: dict) -> Path:
     """A self-contained HTML page: the table, waste bars, memory timelines, latency CDFs."""
-    from workbench.viz.figures import latency_cdf_figure, memory_timeline_figure, waste_bars_figure
     from workbench.viz.report import _CSS, _LEGEND_HTML, _kv_table
 
     steps = {k: [s.to_dict() for s in r.recorder.steps] for k, r in results.items()}
     reqs = {k: [q.to_dict() for q in r.recorder.requests] for k, r in results.items()}
-    figs = [waste_bars_figure(steps), latency_cdf_figure(reqs, metric=["ttft_s", "e2e_s"])]
-    for k, st in steps.items():
-        f = memory_timeline_figure(st, unit="tokens", x="step")
-        f.update_layout(title=f"KV pool over the run: {k}", height=320)
-        figs.append(f)
+    figs = compare_figures(steps, reqs)
     parts = []
     for i, fig in enumerate(figs):
         parts.append(

@@ -30,6 +30,7 @@ __all__ = [
     "PromptRecord",
     "default_prompts",
     "load_prompts",
+    "select_prompts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,49 @@ def default_prompts(num_prompts: int | None = None) -> list[PromptRecord]:
         ValueError: if the file is malformed (see :func:`load_prompts`).
     """
     return load_prompts(DEFAULT_PROMPTS_PATH, num_prompts=num_prompts)
+
+
+def select_prompts(
+    num_prompts: int | None,
+    dataset: str | os.PathLike[str] | None = None,
+    records: list[PromptRecord] | None = None,
+) -> tuple[list[PromptRecord], str | None]:
+    """The first ``num_prompts`` prompts of ``records``, of the ``dataset`` file, or of the project's
+    own set (neither given), and a warning when there are fewer than asked for.
+
+    A job asked for more prompts than the source holds runs all of them; it says so instead of
+    silently running fewer: the warning (``"asked for 100 prompts; the dataset
+    datasets/default_prompts.jsonl has 74 — running 74"``) is logged here, and returned for the
+    caller to repeat where a person will see it (the run's summary on the command line).
+
+    Returns:
+        ``(records, warning)``; ``warning`` is ``None`` when ``num_prompts`` is ``None`` or met.
+
+    Raises:
+        ValueError: both ``dataset`` and ``records``; and what :func:`load_prompts` raises.
+    """
+    if records is not None:
+        if dataset is not None:
+            raise ValueError("give either dataset or records, not both")
+        where = "the records given have"
+        picked = list(records)[:num_prompts]
+    else:
+        file = Path(dataset) if dataset is not None else DEFAULT_PROMPTS_PATH
+        where = f"the dataset {_shown(file)} has"
+        picked = load_prompts(file, num_prompts)
+    warning = None
+    if num_prompts is not None and len(picked) < num_prompts:
+        warning = f"asked for {num_prompts:,} prompts; {where} {len(picked):,} — running {len(picked):,}"
+        logger.warning("%s", warning)
+    return picked, warning
+
+
+def _shown(file: Path) -> str:
+    """``file`` relative to the checkout when inside it (``datasets/default_prompts.jsonl``), else as given."""
+    try:
+        return str(file.resolve().relative_to(DEFAULT_PROMPTS_PATH.parents[1]))
+    except ValueError:
+        return str(file)
 
 
 def load_prompts(path: str | os.PathLike[str], num_prompts: int | None = None) -> list[PromptRecord]:

@@ -11,13 +11,14 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from workbench.bench.datasets import PromptRecord, default_prompts, load_prompts
+from workbench.bench.datasets import PromptRecord, select_prompts
 from workbench.config import EngineConfig
 from workbench.entrypoints.llm import LLM
+from workbench.entrypoints.progress import labelled_tqdm
 from workbench.metrics import JsonlSink, Recorder
 from workbench.metrics.waste import flatten_breakdown, waste_breakdown
 from workbench.outputs import RequestOutput
@@ -28,7 +29,8 @@ log = logging.getLogger("workbench")
 
 @dataclass
 class JobResult:
-    """What a run produced: outputs in prompt order, the recorder, the summary and the folder."""
+    """What a run produced: outputs in prompt order, the recorder, the summary and the folder;
+    ``warnings``: what the run changed of what it was asked (e.g. fewer prompts than asked for)."""
 
     outputs: list[RequestOutput]
     records: list[PromptRecord]
@@ -37,6 +39,7 @@ class JobResult:
     run_dir: Path | None
     wall_time_s: float
     memory: dict
+    warnings: list[str] = field(default_factory=list)
 
 
 def to_engine_prompt(rec: PromptRecord):
@@ -57,6 +60,7 @@ def run_job(
     ignore_eos: bool = False,
     output_dir: str | Path | None = "runs",
     progress: bool = True,
+    progress_label: str | None = None,
     llm: LLM | None = None,
     expected_output_lens: list[int] | None = None,
     run_name: str | None = None,
@@ -69,11 +73,13 @@ def run_job(
     Args:
         dataset: ShareGPT JSON or JSONL (see :mod:`workbench.bench.datasets`); ``None`` = the
             project's default prompts.
-        num_prompts: first N prompts (``None`` = all).
+        num_prompts: first N prompts (``None`` = all); a source with fewer runs all it has, with a
+            warning (logged, and in :attr:`JobResult.warnings`).
         max_tokens: output cap per request (a record's own ``max_tokens`` wins).
         temperature, top_p, top_k, ignore_eos: sampling (seeded by the engine's ``seed``).
         output_dir: parent of the run folder; ``None`` writes nothing.
-        progress: show a progress bar of finished requests.
+        progress: show progress bars of finished requests and of tokens processed.
+        progress_label: names the bars (``"paged / static: requests"``), e.g. a variant of ``compare``.
         llm: an already built engine (``engine_args`` are then ignored).
         expected_output_lens: true output length (tokens) per prompt, for the ``orca-oracle`` and
             ``orca-pow2`` allocators. When they are not given, the records' ``output_len`` is used if
@@ -92,12 +98,7 @@ def run_job(
 
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts} must be >= 1")
-    if records is not None:
-        if dataset is not None:
-            raise ValueError("give either dataset or records, not both")
-        records = list(records)[:num_prompts]
-    else:
-        records = load_prompts(dataset, num_prompts) if dataset else default_prompts()[:num_prompts]
+    records, short = select_prompts(num_prompts, dataset, records)
     if not records:
         raise ValueError(f"dataset {dataset} has no prompts")
     # sampling parameters are checked before the model loads
@@ -125,9 +126,8 @@ def run_job(
             )
             base = {k: v for k, v in engine_args.items() if k not in ("kv_allocator", "batching_policy")}
             pre = run_job(
-                dataset=dataset,
                 records=records,
-                num_prompts=num_prompts,
+                num_prompts=None,  # records are this job's already: no second warning
                 max_tokens=max_tokens,
                 temperature=temperature,
                 top_p=top_p,
@@ -135,6 +135,7 @@ def run_job(
                 ignore_eos=ignore_eos,
                 output_dir=None,
                 progress=progress,
+                progress_label=f"{progress_label + ', ' if progress_label else ''}paged run for the output lengths",
                 **base,
             )
             expected_output_lens = [max(1, len(o.outputs[0].token_ids)) for o in pre.outputs]
@@ -163,7 +164,8 @@ def run_job(
     eng = llm.llm_engine
     prompts = [to_engine_prompt(r) for r in records]
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=progress, expected_output_lens=expected_output_lens)
+    bars = labelled_tqdm(progress_label) if progress and progress_label else progress
+    outputs = llm.generate(prompts, params, use_tqdm=bars, expected_output_lens=expected_output_lens)
     wall = time.perf_counter() - t0
     recorder.close()
     steps = [s.to_dict() for s in recorder.steps]
@@ -194,6 +196,13 @@ def run_job(
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (run_dir / "config.json").write_text(json.dumps(config | {"memory": memory}, indent=2, default=str))
         write_report(
-            run_dir / "report.html", steps, reqs, summary, config, title="workbench run", block_maps=recorder.block_maps
+            run_dir / "report.html",
+            steps,
+            reqs,
+            summary,
+            config,
+            title="workbench run",
+            block_maps=recorder.block_maps,
+            memory=memory,
         )
-    return JobResult(outputs, records, recorder, summary, run_dir, wall, memory)
+    return JobResult(outputs, records, recorder, summary, run_dir, wall, memory, [short] if short else [])

@@ -9,7 +9,6 @@ print(out[0].outputs[0].text)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 from workbench.config import EngineConfig
@@ -69,7 +68,8 @@ class LLM:
         Args:
             prompts: one prompt or a list (strings, token-id lists, or chat message lists).
             sampling_params: one for all, or one per prompt.
-            use_tqdm: show a progress bar of finished requests (or a tqdm-like factory).
+            use_tqdm: show progress bars of finished requests and of tokens processed (prefill and
+                decode; :mod:`workbench.entrypoints.progress`), or a tqdm-like factory to make them with.
             priority: one per prompt (lower = sooner) under ``scheduling_policy="priority"``.
             expected_output_lens: one true output length (tokens) per prompt, for
                 ``kv_allocator="orca-oracle"`` / ``"orca-pow2"`` (see :meth:`LLMEngine.add_request`).
@@ -112,33 +112,22 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            factory = use_tqdm if callable(use_tqdm) else tqdm
-            bar = factory(total=len(prompts), desc="requests", unit="req")
+            from workbench.entrypoints.progress import GenerateProgress, remaining_tokens
+
+            bar = GenerateProgress(
+                use_tqdm if callable(use_tqdm) else tqdm, len(ids), lambda: remaining_tokens(eng.scheduler)
+            )
         results: dict[str, RequestOutput] = {}
-        last_postfix = 0.0
+        rec = eng.recorder
         while eng.has_unfinished_requests():
+            seen = len(rec.steps)
             finished = eng.step()
             for o in finished:
                 results[o.request_id] = o
-                if bar is not None:
-                    bar.update(1)
-            if bar is not None and eng.recorder.steps:
-                s = eng.recorder.steps[-1]
-                now = time.perf_counter()
-                if now - last_postfix > 0.5:  # live figures while no request has finished yet
-                    bar.set_postfix(
-                        step=s.step,
-                        running=s.num_running,
-                        waiting=s.num_waiting,
-                        kv=f"{s.kv_utilization:.0%}",
-                        refresh=True,
-                    )
-                    last_postfix = now
+            if bar is not None:
+                bar.update(finished, rec.steps[-1] if len(rec.steps) > seen else None)
         if bar is not None:
-            if eng.recorder.steps:  # the last step's figures, not the last refresh's
-                s = eng.recorder.steps[-1]
-                bar.set_postfix(step=s.step, running=s.num_running, waiting=s.num_waiting, kv=f"{s.kv_utilization:.0%}")
-            bar.close()
+            bar.close(rec.steps[-1] if rec.steps else None)
         return [results[i] for i in ids]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:

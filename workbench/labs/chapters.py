@@ -11,7 +11,9 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, lab_run, lab_trace
-from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN, budget_colour, title_above_legend
+
+# chapter 1's memory budget (ch.budget_figure, ch.budget_rows): the run report shows the same parts, named alike
+from workbench.viz.budget import budget_figure, budget_rows  # noqa: F401
 from workbench.viz.table import Column, Table
 
 MiB = 1 << 20
@@ -28,21 +30,6 @@ def lab_engine(**engine_args: Any):
     from workbench.entrypoints.llm import LLM
 
     return LLM(**(LAB_ENGINE_DEFAULTS | engine_args))
-
-
-def budget_rows(memory: dict) -> list[tuple[str, int]]:
-    """``[(part, bytes)]`` of a memory budget (``MemoryBudget.to_dict()``): where the capacity goes."""
-    usable = int(memory["capacity_bytes"] * memory["gpu_memory_utilization"])
-    parts = [
-        ("weights", memory["weights_bytes"]),
-        ("activations (profiled peak)", memory["activation_bytes"]),
-        ("communication buffers", memory["comm_buffer_bytes"]),
-        ("outside PyTorch", memory.get("non_torch_bytes", 0)),
-        ("KV pool (whole blocks)", memory["kv_pool_bytes"]),
-    ]
-    parts.append(("left: part of a block", usable - sum(b for _, b in parts)))
-    parts.append(("held back: 1 - gpu_memory_utilization", memory["capacity_bytes"] - usable))
-    return parts
 
 
 def _mib(v: float) -> str:
@@ -64,29 +51,6 @@ def budget_table(memory: dict) -> Table:
             f"{memory['kv_pool_tokens']:,} tokens at {memory['kv_bytes_per_token']:,} B/token"
         ],
     )
-
-
-def budget_figure(memory: dict, title: str = "Where the memory goes") -> go.Figure:
-    """One horizontal stacked bar of :func:`budget_rows`, in MiB."""
-    fig = go.Figure()
-    for name, b in budget_rows(memory):
-        fig.add_bar(
-            y=["device"],
-            x=[b / MiB],
-            name=name,
-            orientation="h",
-            marker_color=budget_colour(name),
-            hovertemplate=f"{name}: %{{x:,.1f}} MiB<extra></extra>",
-        )
-    fig.update_layout(
-        barmode="stack",
-        title=title_above_legend(title),
-        xaxis_title="device memory (MiB)",
-        height=330,
-        legend=LEGEND_ABOVE | {"traceorder": "normal"},
-        margin={"t": LEGEND_ABOVE_MARGIN + 30},
-    )
-    return fig
 
 
 def claims_check() -> list[dict[str, str]]:

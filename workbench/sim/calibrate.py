@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.catalog import ModelArch, find_model
+from workbench.catalog import BUNDLED_MODEL, ModelArch, find_model, is_bundled_model
 from workbench.config import DEFAULT_MODEL
 from workbench.sim.cost import Efficiency
 from workbench.sim.engine import SimEngine, SimSpec
@@ -127,8 +127,8 @@ def replay(run_dir: str | Path, hardware: HardwareSpec, efficiency: Efficiency, 
         raise ValueError(f"{d}: prefix caching shares blocks by prompt content, which a replay by lengths lacks")
     if arch is None:
         model = cfg.get("model", DEFAULT_MODEL)
-        if model == DEFAULT_MODEL:
-            arch = find_model("smollm2-135m")
+        if is_bundled_model(model):
+            arch = find_model(BUNDLED_MODEL)
         else:
             from workbench.kvcalc import load_arch
 

@@ -132,12 +132,11 @@ def simulate_job(
     from workbench.viz.report import summary_table, write_report
 
     run_dir = None
-    sinks = []
-    if output_dir is not None:
-        run_dir = Path(output_dir) / (run_name or ("sim-" + datetime.now().strftime("%Y%m%d-%H%M%S-%f")))
-        sinks.append(JsonlSink(run_dir))
-    recorder = Recorder(sinks)
+    recorder = Recorder()
     eng = SimEngine(EngineConfig(**engine_args), spec, recorder=recorder)
+    if output_dir is not None:  # only once the engine accepted its arguments: a refusal leaves no folder
+        run_dir = Path(output_dir) / (run_name or ("sim-" + datetime.now().strftime("%Y%m%d-%H%M%S-%f")))
+        recorder.add_sink(JsonlSink(run_dir))
     eng.record_itl = record_itl
     eng.add_trace(trace, max_tokens=max_tokens)
     end = trace[-1].arrival_s if trace else 0.0
@@ -218,5 +217,6 @@ def simulate_job(
             config | shown,
             title=f"workbench simulate: {spec.arch.name} on {eng.memory.device_name}",
             block_maps=recorder.block_maps,
+            memory=eng.memory.to_dict(),
         )
     return SimResult(eng, summary, tl, run_dir, wall)

@@ -141,6 +141,31 @@ def title_above_legend(text: str, **font: Any) -> dict[str, Any]:
     return title
 
 
+#: Top margin for a title above a :data:`LEGEND_ABOVE` legend of up to four rows (seven entries on
+#: a 700 px wide page).
+TITLE_AND_LEGEND_MARGIN = LEGEND_ABOVE_MARGIN + 30
+
+
+def title_and_legend_above(title: str, height: int, margin_top: int = TITLE_AND_LEGEND_MARGIN, margin_bottom: int = 80):
+    """Layout of a ``height`` px figure whose title sits at the very top and whose legend
+    (:data:`LEGEND_ABOVE`) sits between the title and the plot area, however many rows the page's
+    width wraps it into (up to what ``margin_top`` holds): the legend is lifted 14 px above the plot
+    area, clear of the top tick labels, and transparent. Pass it to ``fig.update_layout``.
+
+    Raises:
+        ValueError: a ``height`` that leaves no plot area between the margins.
+    """
+    plot = height - margin_top - margin_bottom
+    if plot <= 0:
+        raise ValueError(f"height={height} leaves no plot area under margins {margin_top} + {margin_bottom} px")
+    return {
+        "title": {"text": title, "y": 1, "yanchor": "top", "pad": {"t": 14}},
+        "height": height,
+        "legend": LEGEND_ABOVE | {"y": 1 + 14 / plot, "traceorder": "normal", "bgcolor": "rgba(0,0,0,0)"},
+        "margin": {"t": margin_top, "b": margin_bottom},
+    }
+
+
 def plural(n: int, noun: str, plural_form: str | None = None) -> str:
     """``"1 request"``, ``"2 requests"``: ``n`` with ``noun`` in the right number."""
     return f"{n:,} {noun if n == 1 else (plural_form or noun + 's')}"

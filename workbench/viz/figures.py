@@ -34,8 +34,6 @@ from plotly.subplots import make_subplots
 
 from workbench.metrics.waste import USED_CATEGORIES, waste_breakdown
 from workbench.viz.common import (
-    LEGEND_ABOVE,
-    LEGEND_ABOVE_MARGIN,
     MEMORY_CATEGORIES,
     _latency_values,
     _no_data_figure,
@@ -43,7 +41,7 @@ from workbench.viz.common import (
     count_axis,
     percent_axis,
     plural,
-    title_above_legend,
+    title_and_legend_above,
 )
 
 __all__ = [
@@ -409,6 +407,13 @@ def row_start_axis(row_starts: Sequence[int]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- #
 
 
+#: Height (px) of :func:`memory_timeline_figure`. Its plot area (height less the margins of
+#: :func:`title_and_legend_above`) must stay taller than the right axis' title, "utilization,
+#: fragmentation rate" (about 230 px at plotly's 14 px font), or that title runs past the plot into
+#: the legend and the tick labels.
+TIMELINE_HEIGHT = 510
+
+
 def memory_timeline_figure(
     steps: Sequence[Any], unit: str = "MiB", x: str = "step", show_utilization: bool = True
 ) -> go.Figure:
@@ -496,21 +501,19 @@ def memory_timeline_figure(
             ),
             secondary_y=True,
         )
-        fig.update_yaxes(percent_axis(title="utilization, fragmentation rate"), showgrid=False, secondary_y=True)
+        fig.update_yaxes(
+            percent_axis(title="utilization, fragmentation rate"), showgrid=False, automargin=True, secondary_y=True
+        )
     top = max(p * k for p, k in zip(pools, scale))
     if unit in ("tokens", "bytes"):
         fig.update_yaxes(count_axis(top), secondary_y=False)
     if top > 0:
         fig.update_yaxes(range=[0, top], secondary_y=False)
-    fig.update_yaxes(title_text=f"KV pool ({'token slots' if unit == 'tokens' else unit})", secondary_y=False)
-    fig.update_xaxes(title_text="engine step" if x == "step" else "time since engine start (s)")
-    fig.update_layout(
-        title=title_above_legend(title),
-        hovermode="x unified",
-        height=510,
-        legend=LEGEND_ABOVE | {"traceorder": "normal"},
-        margin={"t": LEGEND_ABOVE_MARGIN + 30},
+    fig.update_yaxes(
+        title_text=f"KV pool ({'token slots' if unit == 'tokens' else unit})", automargin=True, secondary_y=False
     )
+    fig.update_xaxes(title_text="engine step" if x == "step" else "time since engine start (s)")
+    fig.update_layout(hovermode="x unified", **title_and_legend_above(title, TIMELINE_HEIGHT))
     return fig
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from workbench.viz.budget import budget_figure, budget_section_html
 from workbench.viz.common import (
     _NO_DATA,
     MEMORY_CATEGORIES,
@@ -43,6 +44,8 @@ from workbench.viz.common import (
     _latency_values,
     _no_data_figure,
     _percentile,
+    count_axis,
+    title_and_legend_above,
 )
 from workbench.viz.figures import block_map_figure, memory_timeline_figure, waste_bars_figure
 
@@ -53,6 +56,7 @@ __all__ = [
     "kv_blocks_figure",
     "latency_figure",
     "step_time_figure",
+    "summary_label",
     "summary_table",
     "write_report",
 ]
@@ -86,7 +90,9 @@ def kv_blocks_figure(steps: Sequence[Mapping[str, Any]]) -> go.Figure:
     free -- each converted from token slots to bytes with the step's
     ``kv_bytes_per_token`` and then to MiB (2**20 bytes). A line of
     ``blocks_used`` (in blocks) is drawn on the right y axis; when the pool size
-    is constant both axes are scaled so the line tracks the used/free boundary.
+    is constant both axes are scaled so the line tracks the used/free boundary,
+    and the right axis ticks at round block counts (:func:`count_axis`). The
+    legend sits above the plot, clear of the right axis.
     The x axis is the step index; ``time_s`` (seconds since engine start) is in
     the hover text.
 
@@ -149,16 +155,12 @@ def kv_blocks_figure(steps: Sequence[Mapping[str, Any]]) -> go.Figure:
     )
     pool_mib = [int(s["num_blocks"]) * int(s["block_size"]) * b / _MIB for s, b in zip(rows, bpt, strict=True)]
     max_blocks = max(num_blocks)
+    fig.update_yaxes(count_axis(max(max_blocks, max(blocks_used))), secondary_y=True)
     if max_blocks > 0 and max(pool_mib) > 0:
         # Same relative scale on both axes: the line sits on the used/free edge.
         fig.update_yaxes(range=[0, max(pool_mib)], secondary_y=False)
         fig.update_yaxes(range=[0, max_blocks], secondary_y=True)
-    fig.update_layout(
-        title={"text": title},
-        hovermode="x unified",
-        height=450,
-        legend={"traceorder": "reversed"},
-    )
+    fig.update_layout(hovermode="x unified", **title_and_legend_above(title, 480))
     fig.update_xaxes(title_text="engine step")
     fig.update_yaxes(title_text="KV memory (MiB)", secondary_y=False)
     fig.update_yaxes(title_text="blocks used (blocks)", secondary_y=True, showgrid=False)
@@ -180,7 +182,9 @@ def batch_composition_figure(steps: Sequence[Mapping[str, Any]]) -> go.Figure:
     Returns:
         A figure with traces ``prefill tokens``, ``decode tokens`` (bars),
         ``running``, ``waiting`` (lines) and ``preemptions`` (markers; empty when
-        no step preempted), or a "no data" figure when ``steps`` is empty.
+        no step preempted), or a "no data" figure when ``steps`` is empty. Both
+        axes are counts: whole, round ticks (:func:`count_axis`); the legend is
+        above the plot.
 
     Raises:
         KeyError: if a step record lacks one of the keys used here.
@@ -237,15 +241,12 @@ def batch_composition_figure(steps: Sequence[Mapping[str, Any]]) -> go.Figure:
         ),
         secondary_y=True,
     )
-    fig.update_layout(title={"text": title}, barmode="stack", bargap=0.1, height=450)
+    fig.update_layout(barmode="stack", bargap=0.1, **title_and_legend_above(title, 480))
     fig.update_xaxes(title_text="engine step")
-    fig.update_yaxes(title_text="tokens in batch (tokens)", secondary_y=False)
-    fig.update_yaxes(
-        title_text="requests (count) / preemptions",
-        secondary_y=True,
-        showgrid=False,
-        rangemode="tozero",
-    )
+    top_tokens = max(int(s["num_prefill_tokens"]) + int(s["num_decode_tokens"]) for s in rows)
+    fig.update_yaxes(count_axis(top_tokens, "tokens in batch (tokens)"), secondary_y=False)
+    top_requests = max(max(int(s["num_running"]), int(s["num_waiting"]), int(s["num_preemptions"])) for s in rows)
+    fig.update_yaxes(count_axis(top_requests, "requests (count) / preemptions"), secondary_y=True, showgrid=False)
     return fig
 
 
@@ -524,6 +525,81 @@ def _kv_table(data: Mapping[str, Any], caption: str, css_class: str) -> str:
     )
 
 
+#: Readable names (with units) of the summary's keys, in the words of the course and ``workbench run``'s
+#: table; ``summary.json`` keeps the keys. Waste shares are named by :func:`summary_label`.
+SUMMARY_LABELS: dict[str, str] = {
+    "requests_total": "requests",
+    "requests_finished": "requests finished",
+    "requests_errored": "requests refused (errors)",
+    "requests_aborted": "requests aborted",
+    "prompt_tokens_total": "prompt tokens",
+    "output_tokens_total": "output tokens",
+    "wall_time_s": "wall time (s)",
+    "output_throughput_tok_s": "output throughput (tok/s)",
+    "total_throughput_tok_s": "total throughput (tok/s)",
+    "num_steps": "engine steps",
+    "kv_utilization_mean_frac": "KV utilization (mean over steps)",
+    "blocks_used_peak": "KV blocks used (peak)",
+    "preemptions_total": "preemptions",
+    "fragmentation_rate_mean_frac": "fragmentation rate (mean over steps)",
+    "running_reqs_mean": "requests running (mean per step)",
+    "batched_reqs_mean": "requests batched (mean per step)",
+    "startup_s": "startup: engine build, not in wall time (s)",
+    "model_load_s": "model load (s)",
+    "simulated_duration_s": "simulated duration (s)",
+    "replay_wall_s": "replay took, this machine (s)",
+    "request_throughput_req_s": "request throughput (req/s)",
+}
+_LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "end-to-end latency"}
+_CATEGORY_NAMES = {key: label for key, label, _ in MEMORY_CATEGORIES}
+
+
+def summary_label(key: str) -> str:
+    """The readable name, with its unit, of a summary key: ``"ttft_p50_s"`` → ``"TTFT p50 (ms)"``,
+    ``"waste_token_states_pool_frac"`` → ``"token states (share of pool)"``, ``"..._used_frac"`` →
+    ``"(share of occupied memory)"`` (pool − free, as the fragmentation rate). Keys it does not know
+    keep their name, with the unit their suffix says (``_s``: seconds, ``_frac``: a share)."""
+    if key in SUMMARY_LABELS:
+        return SUMMARY_LABELS[key]
+    name, _, rest = key.partition("_")
+    if name in _LATENCY_NAMES and rest in ("p50_s", "p99_s"):
+        return f"{_LATENCY_NAMES[name]} {rest[:3]} (ms)"
+    for basis, words in (("_pool_frac", "share of pool"), ("_used_frac", "share of occupied memory")):
+        if key.startswith("waste_") and key.endswith(basis):
+            cat = key.removeprefix("waste_").removesuffix(basis)
+            return f"{_CATEGORY_NAMES.get(cat, cat.replace('_', ' '))} ({words})"
+    for suffix, unit in (("_tok_s", "tok/s"), ("_frac", "share"), ("_bytes", "bytes"), ("_s", "s")):
+        if key.endswith(suffix):
+            return f"{key.removesuffix(suffix).replace('_', ' ')} ({unit})"
+    return key.replace("_", " ")
+
+
+def summary_text(key: str, value: Any) -> str:
+    """A summary value as :func:`summary_label` names it: shares in percent, latencies in ms."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        return format_value(value)
+    if key.endswith("_frac"):
+        return f"{float(value):.1%}"
+    if summary_label(key).endswith("(ms)"):
+        return f"{float(value) * 1e3:,.1f}"
+    return format_value(value)
+
+
+def _summary_html(summary: Mapping[str, Any]) -> str:
+    """The summary as a table of readable names (the key in each row's tooltip) and values."""
+    rows = "\n".join(
+        f'<tr><th title="{html.escape(str(k))}">{html.escape(summary_label(str(k)))}</th>'
+        f"<td>{html.escape(summary_text(str(k), v))}</td></tr>"
+        for k, v in summary.items()
+    )
+    if not rows:
+        rows = '<tr><td colspan="2"><em>empty</em></td></tr>'
+    return (
+        '<table class="summary"><caption>summary</caption>\n'
+        f"<thead><tr><th>figure</th><th>value</th></tr></thead>\n<tbody>\n{rows}\n</tbody></table>"
+    )
+
+
 _LEGEND_HTML = """\
 <section class="legend">
 <h2>KV memory categories</h2>
@@ -562,6 +638,8 @@ caption { text-align: left; font-weight: bold; padding-bottom: 0.3em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }
 td { font-family: ui-monospace, monospace; }
 table.summary td { text-align: right; }
+table.budget td:nth-child(3), table.budget td:nth-child(4) { text-align: right; }
+section.budget p { color: #444; margin: 0.3em 0 0.6em; }
 thead th { background: #f3f3f3; }
 .figure { margin: 1.5em 0; }
 """
@@ -575,12 +653,16 @@ def write_report(
     config: Mapping[str, Any],
     title: str = "workbench run",
     block_maps: Sequence[Mapping[str, Any]] | None = None,
+    memory: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a single self-contained HTML report of one run.
 
-    The page holds the (escaped) title, a table of ``config``, a table of
-    ``summary`` (e.g. from :func:`summary_table`; floats formatted by
-    :func:`format_value`), the figures (KV blocks, the KV pool in token slots
+    The page holds the (escaped) title, the "Memory budget" section when the
+    run's budget is given (:mod:`workbench.viz.budget`: capacity,
+    gpu_memory_utilization, weights, activations, buffers, the KV pool, blocks,
+    block size, bytes per token; and chapter 1's stacked bar), a table of
+    ``summary`` (e.g. from :func:`summary_table`; readable names with units,
+    :func:`summary_label`), a table of ``config``, the figures (KV blocks, the KV pool in token slots
     over time with the KV utilization, the run's waste breakdown bars, the block
     map when ``block_maps`` are given, batch composition, latency CDFs, step
     times; the new ones from :mod:`workbench.viz.figures`) and a legend defining
@@ -598,6 +680,8 @@ def write_report(
         title: page title and heading.
         block_maps: block-map snapshots (``Recorder.block_maps``); ``None`` or
             empty leaves the block map out.
+        memory: the run's memory budget (``MemoryBudget.to_dict()``; default:
+            ``config["memory"]`` when present); ``None`` leaves the section out.
 
     Returns:
         The path written, as a ``Path``.
@@ -609,7 +693,10 @@ def write_report(
     """
 
     out = Path(path)
+    if memory is None and isinstance(config.get("memory"), Mapping):
+        memory = config["memory"]
     figures = [
+        *([budget_figure(memory, "Where the device memory goes")] if memory else []),
         kv_blocks_figure(steps),
         memory_timeline_figure(steps, unit="tokens", x="time"),
         waste_bars_figure({"this run": steps} if steps else {}),
@@ -638,11 +725,13 @@ def write_report(
                 f'<p class="meta">generated {html.escape(generated)} &middot; '
                 f"{len(steps)} steps &middot; {len(requests)} requests</p>"
             ),
+            budget_section_html(memory),
+            *fig_html[: 1 if memory else 0],
             '<div class="tables">',
-            _kv_table(config, "configuration", "config"),
-            _kv_table(summary, "summary", "summary"),
+            _summary_html(summary),
+            _kv_table({k: v for k, v in config.items() if k != "memory"}, "configuration", "config"),
             "</div>",
-            *fig_html,
+            *fig_html[1 if memory else 0 :],
             _LEGEND_HTML,
         ]
     )
