@@ -127,7 +127,7 @@ def test_second_start_reads_the_safetensors_cache(bundled_llm):
 BUNDLED_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def test_the_hub_repo_id_names_the_bundled_model(bundled_llm, tmp_path, monkeypatch):
+def test_the_hub_repo_id_names_the_bundled_model(bundled_llm, tmp_path, monkeypatch, caplog):
     """`LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")` (and `workbench run --model ...`) runs the
     bundled GGUF of that very model: same weights cache, same greedy tokens; nothing is downloaded."""
     from workbench import LLM
@@ -135,7 +135,9 @@ def test_the_hub_repo_id_names_the_bundled_model(bundled_llm, tmp_path, monkeypa
     from workbench.config import EngineConfig
     from workbench.model.loader import bundled_model_path, resolve_source
 
-    assert resolve_source(BUNDLED_REPO) == resolve_source(BUNDLED_REPO.lower()) == bundled_model_path()
+    with caplog.at_level("INFO", logger="workbench.model.loader"):
+        assert resolve_source(BUNDLED_REPO) == resolve_source(BUNDLED_REPO.lower()) == bundled_model_path()
+    assert f"model={BUNDLED_REPO!r} is the bundled model" in caplog.text  # the mapping is said, not silent
     EngineConfig(model=BUNDLED_REPO).validate()  # accepted before anything loads
     with pytest.raises(FileNotFoundError, match="'smollm2-135m' \\(or 'HuggingFaceTB/SmolLM2-135M-Instruct'\\)"):
         EngineConfig(model="HuggingFaceTB/SmolLM2-360M-Instruct").validate()  # another repo: not bundled

@@ -422,3 +422,21 @@ def test_cli_list_and_errors():
     ]:
         out = CliRunner().invoke(main, args)
         assert out.exit_code != 0 and msg in out.output, (args, out.output)
+
+
+def test_cli_says_what_the_reserve_is_and_counts_sequences_in_the_singular():
+    from workbench.cli import main
+
+    args = ["kv-calc", "llama-2-7b", "--gpu-memory", "24GB", "--seq-len", "100000"]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 1, out.output
+    text = " ".join(out.output.split())
+    assert "given: --activation-reserve" not in text  # nothing was given: the default 0 says so
+    assert "none kept: --activation-reserve 0, the default" in text
+    assert "no activation reserve is kept" in text and "datasheet" not in text  # --gpu-memory, not a catalogue GPU
+    assert "1 sequence of 100,000" in text and "1 sequences" not in text
+    # the note that seq_len is past the model's positions comes before the verdict it qualifies
+    assert text.index("exceeds the model's max_position_embeddings") < text.index("DOES NOT FIT")
+    out = CliRunner().invoke(main, ["kv-calc", "llama-2-7b", "--gpu", "A100-80GB", "--activation-reserve", "2GiB"])
+    text = " ".join(out.output.split())
+    assert "given: --activation-reserve" in text and "as given" in text and "datasheet" in text

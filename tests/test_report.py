@@ -435,7 +435,7 @@ def test_write_report(tmp_path, steps, requests):
     assert budget < doc.index("<caption>summary</caption>") < doc.index("KV cache memory over time")
     section = doc[budget : doc.index("</section>", budget)]
     for name, value in (
-        ("capacity", "2,147,483,648 B (cpu; cpu device_memory)"),
+        ("capacity", "2,147,483,648 B (device_memory declared for the CPU)"),
         ("x gpu_memory_utilization", "0.9 (usable: 1,932,735,283 B)"),
         ("weights", "538,060,032 B"),
         ("activations (profiled peak)", "64,487,424 B"),

@@ -217,7 +217,7 @@ class KVCalcResult:
         line = f"FITS on {where}: {self.kv_tokens:,} tokens of KV cache"
         if self.seq_len:
             line += (
-                f", {self.max_sequences:,} sequences of {self.seq_len:,} tokens at once "
+                f", {_sequences(self.max_sequences)} of {self.seq_len:,} tokens at once "
                 f"(max concurrency {self.max_concurrency:.2f}x)"
             )
         return line
@@ -313,7 +313,7 @@ def kv_calc(
             reserve = parse_size(activation_reserve, allow_zero=True)
         except ValueError as e:
             raise ValueError(f"activation_reserve: {e}, or 'estimate'") from None
-        reserve_how = "given: --activation-reserve"
+        reserve_how = "given: --activation-reserve" if reserve else "none kept: --activation-reserve 0, the default"
     per_token = kv_bytes_per_token(arch, kv_dtype, tp)
     elem = torch.empty((), dtype=w_dtype).element_size()
     params_rank = arch.num_params(tp)
@@ -382,7 +382,7 @@ def _suggestions(arch: ModelArch, res: KVCalcResult) -> list[str]:
             continue
         alt = kv_calc(arch, dtype=res.dtype, kv_cache_dtype=res.kv_cache_dtype, tensor_parallel_size=tp, **common)
         if alt.fits:
-            seqs = f", {alt.max_sequences:,} sequences of {res.seq_len:,}" if res.seq_len else ""
+            seqs = f", {_sequences(alt.max_sequences)} of {res.seq_len:,}" if res.seq_len else ""
             out.append(
                 f"--tensor-parallel-size {tp}: weights {fmt_bytes(alt.weights_bytes_per_gpu)} per GPU, "
                 f"{alt.kv_tokens:,} tokens{seqs}"
@@ -405,3 +405,8 @@ def _suggestions(arch: ModelArch, res: KVCalcResult) -> list[str]:
     if not out:
         out.append("a GPU with more memory, a higher --gpu-memory-utilization, or a smaller --activation-reserve")
     return out
+
+
+def _sequences(n: int) -> str:
+    """``"1 sequence"``, ``"3 sequences"``."""
+    return f"{n:,} sequence{'' if n == 1 else 's'}"

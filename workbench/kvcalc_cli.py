@@ -119,20 +119,29 @@ def print_result(res: KVCalcResult, console=None) -> None:
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+    for n in res.notes:  # before the verdict: a note (e.g. seq_len past the model's positions) qualifies it
+        console.print(f"note: {n}", markup=False, soft_wrap=True)
     style = "green" if res.fits else ("red" if res.fits is False else None)
     console.print(res.verdict(), style=style, markup=False, soft_wrap=True)
     for s in res.suggestions:
         console.print(f"  try {s}", markup=False, soft_wrap=True)
     if res.gpu_memory_bytes is not None:
+        if res.activation_reserve_bytes == 0:
+            reserve = "no activation reserve is kept (--activation-reserve SIZE or 'estimate')"
+        elif res.activation_reserve_how.startswith("estimate"):
+            reserve = f"activation reserve {fmt_bytes(res.activation_reserve_bytes)} is an estimate"
+        else:
+            reserve = f"activation reserve {fmt_bytes(res.activation_reserve_bytes)} as given"
+        capacity = (
+            " GPU capacities are datasheet figures read as GiB (--gpu-memory for a measured total)."
+            if res.gpu is not None
+            else ""
+        )
         console.print(
-            f"activation reserve {fmt_bytes(res.activation_reserve_bytes)} is an estimate (--activation-reserve SIZE "
-            "or 'estimate'); the engine profiles the real peak at startup. GPU capacities are datasheet figures "
-            "read as GiB (--gpu-memory for a measured total).",
+            f"{reserve}; the engine profiles the real peak at startup.{capacity}",
             markup=False,
             soft_wrap=True,
         )
-    for n in res.notes:
-        console.print(f"note: {n}", markup=False, soft_wrap=True)
 
 
 @click.command(

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.catalog import is_bundled_model
+from workbench.catalog import BUNDLED_MODEL, is_bundled_model
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.parallel import shard_hf_state_dict
 
@@ -97,7 +97,10 @@ def resolve_source(model: str) -> Path:
         FileNotFoundError: the path does not exist.
     """
     if is_bundled_model(model):
-        return bundled_model_path()
+        path = bundled_model_path()
+        if model != BUNDLED_MODEL:  # a hub name: say where it went (nothing is downloaded)
+            log.info("model=%r is the bundled model: %s (no download)", model, path)
+        return path
     p = Path(model).expanduser().resolve()
     if not p.exists():
         raise FileNotFoundError(f"model={model!r} does not exist")

@@ -75,6 +75,16 @@ def budget_figure(memory: Mapping[str, Any], title: str = "Where the memory goes
     return fig
 
 
+def _capacity_how(device: str, source: str) -> str:
+    """Where the capacity figure comes from, in words: ``"device_memory declared for the CPU"``,
+    ``"NVIDIA H100 80GB HBM3: the GPU's total memory"``."""
+    if source == "cpu device_memory":
+        return "device_memory declared for the CPU"
+    if source == "cuda":
+        return f"{device}: the GPU's total memory"
+    return f"{device}: {source}" if source else device
+
+
 def _mib(b: float) -> str:
     return f"{b / MiB:,.1f}"
 
@@ -91,7 +101,7 @@ def budget_table_rows(memory: Mapping[str, Any]) -> list[tuple[str, str, str, st
         return f"{b / cap:.1%}" if cap else "n/a"
 
     rows = [
-        ("capacity", f"{cap:,} B ({where}; {memory.get('source', '')})", _mib(cap), share(cap)),
+        ("capacity", f"{cap:,} B ({_capacity_how(where, memory.get('source', ''))})", _mib(cap), share(cap)),
         (
             "x gpu_memory_utilization",
             f"{util} (usable: {int(cap * util):,} B)",

@@ -698,7 +698,7 @@ def latency_cdf_figure(
         "title": {"text": title},
         "height": 450,
         "xaxis": {"title": {"text": axis_title(metrics[0])}, "type": "log" if log_x else "linear"},
-        "yaxis": percent_axis(0, 1.02, title="requests finished within x (%)") | {"dtick": 0.25},
+        "yaxis": percent_axis(0, 1.02, title="requests at or under x (%)") | {"dtick": 0.25},
     }
     if len(metrics) > 1:
         layout["updatemenus"] = [

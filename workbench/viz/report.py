@@ -163,7 +163,7 @@ def kv_blocks_figure(steps: Sequence[Mapping[str, Any]]) -> go.Figure:
     fig.update_layout(hovermode="x unified", **title_and_legend_above(title, 480))
     fig.update_xaxes(title_text="engine step")
     fig.update_yaxes(title_text="KV memory (MiB)", secondary_y=False)
-    fig.update_yaxes(title_text="blocks used (blocks)", secondary_y=True, showgrid=False)
+    fig.update_yaxes(title_text="KV blocks used", secondary_y=True, showgrid=False)
     return fig
 
 
@@ -637,7 +637,8 @@ table { border-collapse: collapse; font-size: 0.9em; }
 caption { text-align: left; font-weight: bold; padding-bottom: 0.3em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }
 td { font-family: ui-monospace, monospace; }
-table.summary td { text-align: right; }
+table.summary td { text-align: right; white-space: nowrap; }
+table.summary td:first-child { text-align: left; }
 table.budget td:nth-child(3), table.budget td:nth-child(4) { text-align: right; }
 section.budget p { color: #444; margin: 0.3em 0 0.6em; }
 thead th { background: #f3f3f3; }
