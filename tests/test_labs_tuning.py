@@ -233,7 +233,7 @@ def test_exercise_8_1_is_checked_against_the_scheduler_even_without_measurements
         assert scheduler_prefill_chunks(p, b, d) == reference_prefill_chunks(p, b, d)
     assert not labs.check("8.1", lambda p, b, d: 1, measured=[])
     assert not labs.check("8.1", lambda p, b, d: math.ceil(p / b), measured=[])
-    assert "the decodes take part" in capsys.readouterr().out
+    assert "the decodes take part" in " ".join(capsys.readouterr().out.split())  # verdicts wrap at 88 columns
     assert labs.check("8.1", reference_prefill_chunks, measured=[])
     with pytest.raises(ValueError, match="leaves no token"):
         scheduler_prefill_chunks(10, 3, 3)
