@@ -104,12 +104,17 @@ def jupyterlab(workdir: Path) -> Iterator[tuple[str, str, Path]]:
                 time.sleep(1)
         yield base, token, root
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Stop a process we started, by its PID: SIGTERM, then SIGKILL after 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def error_texts(page) -> list[str]:

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from browser_support import free_port
+from browser_support import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = REPO / "binder" / "overrides.json"
@@ -85,12 +85,7 @@ def test_jupyterlab_starts_with_the_news_prompt_off(tmp_path):
         else:
             pytest.fail("JupyterLab did not answer in 90 s: " + log.read_text()[-2000:])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
     # the override replaces the schema's default ("none": ask); no user setting was needed for it
     assert settings["schema"]["properties"]["fetchNews"]["default"] == "false"
     assert "fetchNews" not in settings["settings"]
