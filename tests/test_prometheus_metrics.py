@@ -121,6 +121,13 @@ def test_two_sinks_in_one_process_do_not_clash():
     assert prometheus_client.REGISTRY.get_sample_value("vllm:generation_tokens_total", {"model_name": "a"}) is None
 
 
+def test_a_given_registry_is_used():
+    reg = prometheus_client.CollectorRegistry()
+    sink = PrometheusSink("m", registry=reg)
+    sink.on_request(_record("1", "stop", out=2))
+    assert reg.get_sample_value("vllm:generation_tokens_total", {"model_name": "m", "engine": "0"}) == 2
+
+
 def test_error_finish_counts_under_its_own_reason_and_skips_missing_latencies():
     sink = PrometheusSink("m")
     sink.on_request(_record("1", "error", out=0, timed=False))

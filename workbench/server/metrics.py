@@ -25,7 +25,8 @@ Where this exporter differs from vLLM, and why:
   ``vllm:generation_tokens_total`` = sum of ``output_tokens``, ``vllm:prompt_tokens_total`` = sum
   of ``prompt_tokens`` (the whole prompt, cached tokens included, once per request however often
   it was recomputed after preemption — as vLLM), each histogram's ``_count`` = the number of
-  records that have the figure and ``_sum`` their sum.
+  records that have the figure and ``_sum`` their sum. A refused request (``finished_reason="error"``)
+  adds its prompt tokens too, although none ran through the model.
 * **Finish reasons.** ``finished_reason`` takes vLLM's values ``stop``, ``length`` and ``abort``,
   plus ``error``: a request the engine refused (a prompt that can never fit ``max_model_len`` or the
   KV pool). vLLM rejects such a request before it reaches the engine; here it is a finished request
@@ -123,6 +124,15 @@ class PrometheusSink:
     Attributes:
         registry: the registry :meth:`render` exposes.
         CONTENT_TYPE: the response's ``Content-Type``.
+
+    Example (a FastAPI route)::
+
+        sink = PrometheusSink("SmolLM2-135M-Instruct", engine=engine)
+        engine.recorder.add_sink(sink)
+
+        @app.get("/metrics")
+        def metrics():
+            return Response(sink.render(), media_type=sink.CONTENT_TYPE)
     """
 
     CONTENT_TYPE = CONTENT_TYPE
@@ -131,29 +141,35 @@ class PrometheusSink:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.engine = None
-        max_len = getattr(engine, "max_model_len", None) or DEFAULT_MAX_MODEL_LEN
-        labels = ("model_name", "engine")
-        values = (model_name, "0")
-        reg = self.registry
+        self._parents: dict = {}  # labelled metrics by name, for label values added later
+        self._declare_step_metrics()
+        self._declare_request_metrics(getattr(engine, "max_model_len", None) or DEFAULT_MAX_MODEL_LEN)
+        self._declare_pool_metrics()
+        if engine is not None:
+            self.attach(engine)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=reg).labels(*values)
+    # ------------------------------------------------------------------ declarations
+    _LABELS = ("model_name", "engine")
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=reg).labels(*values)
+    def _gauge(self, name: str, doc: str):
+        return Gauge(name, doc, self._LABELS, registry=self.registry).labels(self.model_name, "0")
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(*values)
+    def _counter(self, name: str, doc: str):
+        return Counter(name, doc, self._LABELS, registry=self.registry).labels(self.model_name, "0")
 
-        def by(metric_cls, name: str, doc: str, label: str, keys) -> dict:
-            m = self._parents[name] = metric_cls(name, doc, (*labels, label), registry=reg)
-            return {k: m.labels(*values, k) for k in keys}
+    def _histogram(self, name: str, doc: str, buckets):
+        return Histogram(name, doc, self._LABELS, registry=self.registry, buckets=buckets).labels(self.model_name, "0")
 
-        self._parents: dict = {}
+    def _by(self, metric_cls, name: str, doc: str, label: str, keys) -> dict:
+        """One child per label value ``keys`` of a metric with one more label."""
+        m = self._parents[name] = metric_cls(name, doc, (*self._LABELS, label), registry=self.registry)
+        return {k: m.labels(self.model_name, "0", k) for k in keys}
 
-        # ---- vLLM: scheduler state and KV cache (per step)
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+    def _declare_step_metrics(self) -> None:
+        """vLLM's scheduler and KV cache figures, and the counters fed by every StepStats."""
+        gauge, counter, histogram = self._gauge, self._counter, self._histogram
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches. (Requests.)")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed. (Requests.)")
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage. (Ratio 0..1 of KV blocks in use; free blocks "
@@ -163,13 +179,18 @@ class PrometheusSink:
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine. (Preemptions.)"
+        )
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
-            "Histogram of number of tokens per engine_step. (Tokens run through the model: prefill + decode.)",
+            "Histogram of number of tokens per engine_step. (Tokens run through the model per step: prefill + decode.)",
             ITERATION_TOKEN_BUCKETS,
         )
-        # ---- vLLM: per finished request (from its RequestRecord)
+
+    def _declare_request_metrics(self, max_len: int) -> None:
+        """vLLM's per-request counters and histograms, fed by every RequestRecord; token buckets up to ``max_len``."""
+        counter, histogram, by = self._counter, self._histogram, self._by
         self.prompt_tokens = counter(
             "vllm:prompt_tokens",
             "Number of prefill tokens processed. (Prompt tokens of finished requests, cached ones included.)",
@@ -187,10 +208,14 @@ class PrometheusSink:
         )
         self._success = self._parents["vllm:request_success"]
         tok = build_1_2_5_buckets(max_len)
-        self.h_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tok)
-        self.h_generation = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", tok)
+        self.h_prompt = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed. (Prompt tokens per request.)", tok
+        )
+        self.h_generation = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed. (Output tokens per request.)", tok
+        )
         self.h_max_tokens = histogram(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tok
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter. (Tokens.)", tok
         )
         self.h_ttft = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
@@ -225,7 +250,10 @@ class PrometheusSink:
             "Histogram of time spent in DECODE phase for request. (Finish - first token, seconds.)",
             lat,
         )
-        # ---- workbench: the KV pool (ARCHITECTURE §3), per step
+
+    def _declare_pool_metrics(self) -> None:
+        """This project's figures: the KV pool split (ARCHITECTURE §3), blocks, swap, collectives, static sizes."""
+        gauge, counter, by = self._gauge, self._counter, self._by
         live = (
             " Live figure at the last step: the reservation / internal fragmentation split is provisional "
             "until the requests holding the blocks release them."
@@ -283,7 +311,6 @@ class PrometheusSink:
             "Seconds rank 0 spent in collectives, waiting for the slowest rank included (seconds).",
         )
         self.steps = counter("workbench:engine_steps", "Engine steps run (count).")
-        # ---- workbench: static figures (attach)
         self.blocks_total = gauge("workbench:kv_blocks_total", "KV blocks in the pool (blocks).")
         self.block_size = gauge("workbench:kv_block_size_tokens", "Tokens per KV block (tokens).")
         self.kv_bytes_per_token = gauge(
@@ -295,8 +322,6 @@ class PrometheusSink:
             "workbench:comm_buffer_bytes",
             "Communication (NCCL) buffer bytes in the memory budget per device (bytes; 0 on one device).",
         )
-        if engine is not None:
-            self.attach(engine)
 
     # ------------------------------------------------------------------ static figures
     def attach(self, engine) -> None:
