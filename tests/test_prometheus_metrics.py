@@ -11,7 +11,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from workbench.metrics.stats import RequestRecord, StepStats  # noqa: E402
-from workbench.server.metrics import PrometheusSink  # noqa: E402
+from workbench.server.metrics import FINISH_REASONS, PrometheusSink  # noqa: E402
 
 #: family name (as the parser reports it: counters without ``_total``) -> type
 VLLM = {
@@ -277,3 +277,67 @@ def _step(**kw) -> StepStats:
         fragmentation_rate=24 / 64,
     )
     return StepStats(**{**base, **kw})
+
+
+def test_swap_abort_refusal_and_parallel_sampling_agree_with_the_records(tiny_model):
+    import random
+    from collections import Counter
+
+    from workbench import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(tiny_model),
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=96,
+        num_gpu_blocks_override=30,
+        preemption_mode="swap",
+        swap_space=0.001,
+    )
+    eng = llm.llm_engine
+    sink = PrometheusSink("tiny")
+    sink.attach(eng)
+    eng.recorder.add_sink(sink)
+    rng = random.Random(5)
+    ps = [[rng.randrange(2, 250) for _ in range(rng.randint(20, 40))] for _ in range(6)]
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.add_request("par", ps[0], SamplingParams(n=3, temperature=1.0, max_tokens=40, ignore_eos=True))
+    eng.add_request("long", [7] * 200, SamplingParams(max_tokens=4))  # refused: over max_model_len
+    aborted = False
+    for _ in range(400):
+        if not eng.has_unfinished_requests():
+            break
+        if eng.scheduler.swapped and not aborted:
+            aborted = True
+            eng.abort(eng.scheduler.swapped[0].parent_id)
+        eng.step()
+    assert aborted and not eng.has_unfinished_requests()
+    recs, steps = eng.recorder.requests, eng.recorder.steps
+    fams = families(sink)
+    reasons = Counter(r.finish_reason for r in recs)
+    assert reasons["abort"] >= 1 and reasons["error"] == 1
+    for reason in FINISH_REASONS:
+        assert value(fams, "vllm:request_success", "_total", finished_reason=reason) == reasons[reason]
+    assert value(fams, "vllm:request_success", "_total") == len(recs) == 6 + 3 + 1
+    assert value(fams, "vllm:generation_tokens", "_total") == sum(r.output_tokens for r in recs)
+    assert value(fams, "vllm:prompt_tokens", "_total") == sum(r.prompt_tokens for r in recs)
+    assert value(fams, "vllm:num_preemptions", "_total") == sum(s.num_preemptions for s in steps) > 0
+    block_bytes = eng.memory.block_bytes
+    out_blocks = sum(s.swap_out_blocks for s in steps)
+    assert out_blocks > 0
+    assert value(fams, "workbench:kv_swap_bytes", "_total", direction="out") == out_blocks * block_bytes
+    assert (
+        value(fams, "workbench:kv_swap_bytes", "_total", direction="in")
+        == sum(s.swap_in_blocks for s in steps) * block_bytes
+    )
+    check_hist(fams, "vllm:e2e_request_latency_seconds", [r.e2e_s for r in recs if r.e2e_s is not None])
+    check_hist(fams, "vllm:time_to_first_token_seconds", [r.ttft_s for r in recs if r.ttft_s is not None])
+    check_hist(fams, "vllm:request_time_per_output_token_seconds", [r.tpot_s for r in recs if r.tpot_s is not None])
+    check_hist(fams, "vllm:inter_token_latency_seconds", [x for r in recs for x in r.itl_s])
+    check_hist(fams, "vllm:request_generation_tokens", [r.output_tokens for r in recs])
+    assert hist(fams, "vllm:request_params_max_tokens")[0] == len(recs)
+    assert value(fams, "workbench:num_requests_swapped") == 0
+    pool = sum(value(fams, "workbench:kv_pool_tokens", state=st) for st in STATES)
+    assert pool == 30 * 4 == value(fams, "workbench:kv_blocks_total") * value(fams, "workbench:kv_block_size_tokens")
