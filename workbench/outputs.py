@@ -73,6 +73,13 @@ class RequestOutput:
             text = ""
             if tokenizer is not None and req.output_token_ids:
                 text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            outs.append(CompletionOutput(req.index, text, list(req.output_token_ids), req.status.value))
+            out = CompletionOutput(req.index, text, list(req.output_token_ids), req.status.value)
+            if req.sampling_params.logprobs is not None:
+                out.logprobs = list(req.logprobs)
+                out.cumulative_logprob = float(sum(p[t].logprob for p, t in zip(req.logprobs, req.output_token_ids)))
+            outs.append(out)
         first = group[0]
-        return cls(first.parent_id, first.prompt, first.prompt_token_ids, outs, True, first.error, metrics)
+        res = cls(first.parent_id, first.prompt, first.prompt_token_ids, outs, True, first.error, metrics)
+        if first.sampling_params.prompt_logprobs is not None:
+            res.prompt_logprobs = list(first.prompt_logprobs or [None])
+        return res
