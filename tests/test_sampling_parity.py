@@ -373,7 +373,7 @@ def test_text_prompt_forms_decoded_tokens_and_min_tokens_past_eos():
     # a chat reply that ends with EOS early; min_tokens keeps it going past that point
     chat = [[{"role": "user", "content": "Reply with just the word yes."}]]
     short = llm.chat(chat, SamplingParams(max_tokens=64))[0].outputs[0]
-    assert short.finish_reason == "stop" and len(short.token_ids) < 20, short.text
+    assert short.finish_reason == "stop" and len(short.token_ids) < 48, short.text
     n = len(short.token_ids)
     longer = llm.chat(chat, SamplingParams(max_tokens=64, min_tokens=n + 5))[0].outputs[0]
     assert len(longer.token_ids) >= n + 5
