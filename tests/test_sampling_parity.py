@@ -257,6 +257,11 @@ def test_seed_at_the_top_of_the_range_with_n_2_works_and_reproduces(llm):
     a = [c.token_ids for c in llm.generate([PROMPT], sp)[0].outputs]
     b = [c.token_ids for c in llm.generate([PROMPT], sp)[0].outputs]
     assert a == b and all(len(t) == 8 for t in a)
+    lp = llm.generate(
+        [PROMPT], SamplingParams(n=2, temperature=1.0, seed=2**64 - 1, max_tokens=8, ignore_eos=True, logprobs=1)
+    )
+    assert [c.token_ids for c in lp[0].outputs] == a  # logprobs do not change what is sampled
+    assert all(len(c.logprobs) == 8 and all(t in p for p, t in zip(c.logprobs, c.token_ids)) for c in lp[0].outputs)
     low = SamplingParams(n=1, temperature=1.0, seed=-1, max_tokens=8, ignore_eos=True)  # -1 == 2**64-1 mod 2**64
     assert llm.generate([PROMPT], low)[0].outputs[0].token_ids == a[0]
 
@@ -378,3 +383,18 @@ def test_text_prompt_forms_decoded_tokens_and_min_tokens_past_eos():
     longer = llm.chat(chat, SamplingParams(max_tokens=64, min_tokens=n + 5))[0].outputs[0]
     assert len(longer.token_ids) >= n + 5
     assert llm.llm_engine.eos_token_id not in longer.token_ids[: n + 4]
+
+
+def test_logprobs_and_penalties_under_tensor_parallelism_equal_one_device(tiny_model, llm):
+    """Rank 0 samples from the gathered logits: the prompt rows travel with the sampling rows."""
+    sp = SamplingParams(
+        max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2, frequency_penalty=1.0, repetition_penalty=1.5
+    )
+    ref = llm.generate([PROMPT], sp)[0]
+    with LLM(model=str(tiny_model), block_size=4, max_num_seqs=8, max_model_len=256, tensor_parallel_size=2) as tp:
+        got = tp.generate([PROMPT], sp)[0]
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    for a, b in zip(
+        got.outputs[0].logprobs + got.prompt_logprobs[1:], ref.outputs[0].logprobs + ref.prompt_logprobs[1:]
+    ):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)

@@ -166,7 +166,9 @@ class LLMEngine:
         and an error naming both numbers, and the other requests go on.
 
         Raises:
-            ValueError: an empty prompt, an out-of-vocabulary token id, or a duplicate request id.
+            ValueError: a bad prompt (:func:`workbench.inputs.tokenize_prompt`), a bad sampling parameter
+                (:meth:`SamplingParams.verify`), or a request id in use (also as an ``n > 1`` sequence's ``<id>#<i>``);
+                nothing is queued.
         """
         sp = sampling_params or SamplingParams()
         sp.verify()  # (also a field changed after construction)
