@@ -187,8 +187,7 @@ class LLMEngine:
             request_id = str(self._counter)
         if self._id_in_use(request_id, sp.n):
             raise ValueError(
-                f"request_id {request_id!r} is already in the engine, as a request or as one of the n > 1 "
-                "sequences' ids ('<id>#<i>'); use a unique id"
+                f"request_id {request_id!r} is already in the engine (a request's or an n > 1 sequence's '<id>#<i>'); use a unique id"
             )
         cap = self.kv.declare(request_id, len(ids), sp.max_tokens, self.max_model_len, expected_output_len)
         if cap is not None:  # the reservation holds no more output than this

@@ -63,6 +63,26 @@ def process_row(row: torch.Tensor, p, req) -> torch.Tensor:
     return row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
 
 
+def process_rows(logits: torch.Tensor, params: list, requests: list | None) -> torch.Tensor:
+    """``[rows, vocab_size]`` float32 logits with :func:`process_row` applied to the rows that need it
+    (a new tensor then; ``logits`` itself when none does, or ``requests`` is ``None``)."""
+    if requests is None or not any(needs_processing(p) for p in params):
+        return logits
+    logits = logits.clone()
+    for i, (p, req) in enumerate(zip(params, requests)):
+        if needs_processing(p):
+            logits[i] = process_row(logits[i], p, req)
+    return logits
+
+
+def prompt_positions(req, start: int, n: int) -> tuple[int, int] | None:
+    """The prompt positions ``lo..hi-1`` among a step's ``start..start+n-1`` whose logits give a
+    ``prompt_logprobs`` request entries it does not have yet (position p: prompt token p+1), or ``None``."""
+    lo = max(start, len(req.prompt_logprobs or [None]) - 1)
+    hi = min(start + n, len(req.prompt_token_ids) - 1)
+    return (lo, hi) if hi > lo else None
+
+
 def top_logprobs(logits: torch.Tensor, chosen: list[int] | None, ks: list[int]) -> list[RawLogprobs]:
     """Each row's ``ks[i]`` most likely tokens and its chosen token, with log-probabilities.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.sample_ops import needs_processing, process_row
+from workbench.sample_ops import process_rows
 from workbench.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["RequestOutputKind", "SamplingParams", "sample"]
@@ -28,12 +28,7 @@ def sample(
         requests: one per row, the token histories of penalties and ``min_tokens``
             (:func:`workbench.sample_ops.process_row`); ``None``: neither is applied.
     """
-    logits = logits.float()
-    if requests is not None and any(needs_processing(p) for p in params):
-        logits = logits.clone()
-        for i, (p, req) in enumerate(zip(params, requests)):
-            if needs_processing(p):
-                logits[i] = process_row(logits[i], p, req)
+    logits = process_rows(logits.float(), params, requests)
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:

@@ -20,7 +20,7 @@ from workbench.kv.manager import cdiv
 from workbench.memory import MemoryBudget, check_fits, engine_budget, profile_activation_peak
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.loader import build_model, load_model
-from workbench.sample_ops import any_logprobs, step_logprobs
+from workbench.sample_ops import any_logprobs, prompt_positions, step_logprobs
 from workbench.sampling import sample
 from workbench.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -88,11 +88,9 @@ def prepare_inputs(out: SchedulerOutput, kv: KVManager, device: torch.device) ->
         if s.samples:
             logits_idx.append(len(ids) - 1)
             sampling.append(s)
-        if req.sampling_params.prompt_logprobs is not None:  # the positions whose logprobs are not out yet
-            lo, hi = max(start, len(req.prompt_logprobs or [None]) - 1), min(start + n, req.num_prompt_tokens - 1)
-            if hi > lo:
-                prompt_rows.append((req, lo, hi))
-                prompt_idx.extend(range(len(ids) - n + lo - start, len(ids) - n + hi - start))
+        if req.sampling_params.prompt_logprobs is not None and (span := prompt_positions(req, start, n)):
+            prompt_rows.append((req, *span))
+            prompt_idx.extend(range(len(ids) - n + span[0] - start, len(ids) - n + span[1] - start))
 
     def t(x):
         return torch.tensor(x, dtype=torch.long, device=device)
