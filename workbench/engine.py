@@ -31,6 +31,7 @@ from workbench.metrics.stats import step_stats
 from workbench.output_processor import OutputProcessor
 from workbench.outputs import CompletionOutput, RequestOutput
 from workbench.request import Request, RequestStatus
+from workbench.sample_ops import attach_logprobs
 from workbench.sampling import SamplingParams
 from workbench.scheduler import Scheduler, SchedulerOutput
 
@@ -168,9 +169,12 @@ class LLMEngine:
         and an error naming both numbers, and the other requests go on.
 
         Raises:
-            ValueError: an empty prompt, an out-of-vocabulary token id, or a duplicate request id.
+            ValueError: a bad prompt (:func:`workbench.inputs.tokenize_prompt`), a bad sampling parameter
+                (:meth:`SamplingParams.verify`), or a request id in use (also as an ``n > 1`` sequence's ``<id>#<i>``);
+                nothing is queued.
         """
         sp = sampling_params or SamplingParams()
+        sp.verify()  # (also a field changed after construction)
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(
                 f"priority={priority} is given but scheduling_policy={self.config.scheduling_policy!r} ignores it; "
@@ -184,11 +188,13 @@ class LLMEngine:
             )
         if request_id is None:
             request_id = str(self._counter)
-        if request_id in self.groups:
-            raise ValueError(f"request_id {request_id!r} is already in the engine; use a unique id")
+        if self._id_in_use(request_id, sp.n):
+            raise ValueError(
+                f"request_id {request_id!r} is already in the engine (a request's or an n > 1 sequence's '<id>#<i>'); use a unique id"
+            )
         cap = self.kv.declare(request_id, len(ids), sp.max_tokens, self.max_model_len, expected_output_len)
         if cap is not None:  # the reservation holds no more output than this
-            sp = replace(sp, max_tokens=cap)
+            sp = replace(sp, max_tokens=cap, min_tokens=min(sp.min_tokens, cap))
         arrival = self.clock() if arrival_time is None else arrival_time
         group = self._make_group(request_id, ids, text, sp, arrival, priority)
         error = self._refusal(len(ids))
@@ -201,6 +207,11 @@ class LLMEngine:
         else:
             self.scheduler.add_request(group[0], group[1:])
         return request_id
+
+    def _id_in_use(self, request_id: str, n: int) -> bool:
+        """Whether ``request_id`` (and its sequences' ``<id>#<i>`` when ``n > 1``) clashes with a request's id."""
+        ids = [request_id] + [f"{request_id}#{i}" for i in range(n if n > 1 else 0)]
+        return any(i in self.groups or i in self.requests for i in ids) or request_id.rpartition("#")[0] in self.groups
 
     def _make_group(self, request_id: str, ids, text, sp: SamplingParams, arrival: float, priority: int):
         """The request's ``n`` sequences (one unless parallel sampling), each with its random stream."""
@@ -222,7 +233,7 @@ class LLMEngine:
             )
             if not sp.greedy:
                 child.generator = torch.Generator(device="cpu")
-                child.generator.manual_seed(seed + i)
+                child.generator.manual_seed((seed + i) % 2**64)  # in torch's range for any valid seed
             group.append(child)
             self.requests[child.request_id] = child
             self.output.add(child)
@@ -289,30 +300,22 @@ class LLMEngine:
             # fail loudly rather than spin
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting requests")
         result = self.executor.execute_step(out, self.kv)
+        if getattr(result, "logprobs", None) or getattr(result, "prompt_logprobs", None):
+            attach_logprobs(self.requests, result, self.tokenizer)
         t_model = self.clock()
         if not out.is_empty:
             finished += self.scheduler.update(out, result.sampled, t_model)
-            stepped = [self.requests[rid] for rid in result.sampled]
-            for r in self.output.check_stop_strings(stepped):  # text that reached a stop string
-                self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
-                finished.append(r)
+            finished += self.output.stop_strings([self.requests[rid] for rid in result.sampled], self.scheduler)
         t_end = self.clock()
         if not out.is_empty or finished or out.preempted:
             self._record_step(out, finished, t_start, t_end, t_sched - t_start + result.overhead_s, result)
-        touched = {r.request_id for r in finished}
-        if self.output.num_streaming:
-            touched.update(result.sampled)
-        outputs = self.output.make_outputs(self.groups, touched, self._record_of)
+        outputs = self.output.make_outputs(self.groups, finished, result.sampled, self.start_time)
         for r in finished:
             self.requests.pop(r.request_id, None)
         for o in outputs:
             if o.finished:
                 del self.groups[o.request_id]
         return outputs
-
-    def _record_of(self, group: list[Request]) -> dict:
-        """A finished request's record (its first sequence's) as a dict."""
-        return dict(vars(request_record(group[0], self.start_time)))  # (asdict's deep copy is slow)
 
     def _record_step(self, out: SchedulerOutput, finished, t_start, t_end, sched_s, result) -> None:
         """The step's StepStats (with the KV pool's split), block map, and finished requests' records."""

@@ -1,35 +1,95 @@
-"""What a request brings in: prompts (text, token ids, chat messages) turned into token ids,
-checked before anything is queued."""
+"""What a request brings in: prompts (text, token ids, chat messages, vLLM's prompt dicts) turned
+into token ids, checked before anything is queued."""
 
 from __future__ import annotations
 
-#: A prompt: text (no template), token ids, or chat messages ``[{"role", "content"}]``
-#: (the model's chat template is applied).
-Prompt = str | list[int] | list[dict]
+import numbers
+
+#: A prompt: text (no template), token ids, chat messages ``[{"role", "content"}]`` (the model's chat
+#: template is applied), or vLLM's dicts ``{"prompt": str}`` (TextPrompt) / ``{"prompt_token_ids": [...]}``
+#: (TokensPrompt).
+Prompt = str | list[int] | list[dict] | dict
+
+_FORMS = (
+    "a string, a list of token ids, chat messages [{'role', 'content'}], {'prompt': str} or "
+    "{'prompt_token_ids': [int, ...]}"
+)
+
+
+def _is_scalar(x) -> bool:
+    return not isinstance(x, (str, dict, list, tuple))
+
+
+def as_prompt_list(prompts) -> list:
+    """``LLM.generate``'s ``prompts``: one prompt (of any :data:`Prompt` form) or a list of them, as a list.
+
+    A list whose first item is a scalar (an int, or a wrong type the token-id check then names) is one
+    token-id prompt; a list whose first item is a chat message (a dict with ``"role"``) is one conversation.
+
+    Raises:
+        TypeError: ``prompts`` is none of these forms (e.g. ``123`` or ``None``).
+    """
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts={prompts!r} is not a prompt: give {_FORMS}, or a list of them")
+    if prompts and (_is_scalar(prompts[0]) or (isinstance(prompts[0], dict) and "role" in prompts[0])):
+        return [prompts]
+    return list(prompts)
+
+
+def check_token_ids(ids, vocab_size: int) -> list[int]:
+    """``ids`` as a list of ints, each an integer (not a ``bool``, float or string: nothing is coerced)
+    in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: an empty list, or a token id of the wrong type or outside the vocabulary (named).
+        TypeError: ``ids`` is not a list or tuple.
+    """
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"prompt_token_ids={ids!r} must be a list of token ids (integers)")
+    if not ids:
+        raise ValueError("prompt is empty; give at least one character or token id")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(
+                f"token id {t!r} ({type(t).__name__}) is not an integer; token ids must be integers in [0, {vocab_size})"
+            )
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab_size}); fix the prompt's token ids")
+    return [int(t) for t in ids]
 
 
 def tokenize_prompt(tokenizer, vocab_size: int, prompt: Prompt) -> tuple[list[int], str | None]:
     """Token ids (and text, ``None`` for token ids) of a prompt; chat messages get the model's chat template.
 
     Raises:
-        ValueError: an empty prompt, text with no tokenizer available, or a token id outside
-            ``[0, vocab_size)``.
+        ValueError: an empty prompt, text with no tokenizer available, a bad token id (see
+            :func:`check_token_ids`), or a dict with neither ``"prompt"`` nor ``"prompt_token_ids"``.
+        TypeError: a prompt of none of the :data:`Prompt` forms.
     """
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            text = prompt.get("prompt")
+            return check_token_ids(prompt["prompt_token_ids"], vocab_size), text if isinstance(text, str) else None
+        if "prompt" not in prompt:
+            raise ValueError(f"prompt dict {prompt!r} has neither 'prompt' (text) nor 'prompt_token_ids'")
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"prompt dict's 'prompt' must be a string, not {prompt['prompt']!r}")
+        prompt = prompt["prompt"]
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty; give at least one character or token id")
         if tokenizer is None:
             raise ValueError("this model folder has no tokenizer: pass prompts as token-id lists")
         return tokenizer.encode(prompt, add_special_tokens=True), prompt
-    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"prompt {prompt!r} is not a prompt: give {_FORMS}")
+    if prompt and isinstance(prompt[0], dict):
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise ValueError(f"chat messages must be dicts with 'role' and 'content': {prompt!r}")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat messages need a tokenizer with a chat template; pass a plain string")
         text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False), text
-    ids = [int(t) for t in prompt]
-    if not ids:
-        raise ValueError("prompt is empty; give at least one character or token id")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); fix the prompt's token ids")
-    return ids, None
+    return check_token_ids(prompt, vocab_size), None

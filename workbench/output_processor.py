@@ -10,6 +10,7 @@ it finishes, exactly as ``tokenizer.decode`` gives it.
 
 from __future__ import annotations
 
+from workbench.metrics.stats import request_record
 from workbench.outputs import CompletionOutput, RequestOutput
 from workbench.request import Request, RequestStatus
 from workbench.sampling_params import RequestOutputKind
@@ -83,9 +84,10 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens) if streaming or sp.stop else None
         self.states[req.request_id] = _SeqState(detok)
 
-    def check_stop_strings(self, stepped: list[Request]) -> list[Request]:
-        """Decode the new tokens of ``stepped`` (sequences that sampled this step); return the running
-        ones whose text now contains a stop string (the engine finishes them with ``"stop"``)."""
+    def stop_strings(self, stepped: list[Request], scheduler) -> list[Request]:
+        """Decode the new tokens of ``stepped`` (sequences that sampled this step); finish (with
+        ``scheduler.finish``, status ``"stop"``) and return the running ones whose text now contains
+        a stop string."""
         hit = []
         for req in stepped:
             st = self.states.get(req.request_id)
@@ -102,14 +104,19 @@ class OutputProcessor:
                     st.final_text = text[: i + len(s)] if sp.include_stop_str_in_output else text[:i]
                     st.stop_reason = s
                     if not req.is_finished:
+                        scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                         hit.append(req)
                     break
         return hit
 
-    def make_outputs(self, groups: dict[str, list[Request]], touched: set[str], metrics_of) -> list[RequestOutput]:
-        """The outputs of this step: every finished group, and (``DELTA`` / ``CUMULATIVE``) every
-        group with a sequence in ``touched`` (ids of sequences that sampled or finished).
-        ``metrics_of(group)`` gives a finished group's request record as a dict. Forgets finished groups."""
+    def make_outputs(self, groups: dict[str, list[Request]], finished: list[Request], sampled, t0: float):
+        """The ``RequestOutput`` s of this step: every finished group, and (``DELTA`` / ``CUMULATIVE``)
+        every group with a sequence in ``finished`` or ``sampled`` (ids that sampled). A finished
+        output's ``metrics`` is its first sequence's request record (times relative to ``t0``, the
+        engine's start). Forgets finished groups."""
+        touched = {r.request_id for r in finished}
+        if self.num_streaming:
+            touched.update(sampled)
         outs = []
         parents = {}
         for rid in touched:
@@ -129,9 +136,10 @@ class OutputProcessor:
             first = group[0]
             out = RequestOutput(parent, first.prompt, first.prompt_token_ids, completions, done, first.error)
             out.num_cached_tokens = first.num_cached_tokens
-            out.prompt_logprobs = getattr(first, "prompt_logprobs", None)
+            if first.sampling_params.prompt_logprobs is not None:
+                out.prompt_logprobs = list(first.prompt_logprobs or [None])
             if done:
-                out.metrics = metrics_of(group)
+                out.metrics = dict(vars(request_record(group[0], t0)))  # (asdict's deep copy is slow)
                 for c in group:
                     if self.states.pop(c.request_id, None) is not None:
                         self.num_streaming -= kind != RequestOutputKind.FINAL_ONLY
@@ -151,7 +159,7 @@ class OutputProcessor:
         finished = req.is_finished
         text = self._text(req, st)
         ids = req.output_token_ids
-        lps = getattr(req, "logprobs", None) or None
+        lps = list(req.logprobs) if req.sampling_params.logprobs is not None else None
         stop_reason = st.stop_reason
         if stop_reason is None and req.status == RequestStatus.FINISHED_STOPPED and ids:
             if ids[-1] in req.sampling_params.stop_token_ids and ids[-1] != req.eos_token_id:
@@ -167,7 +175,9 @@ class OutputProcessor:
             new_ids, st.sent_tokens = ids[st.sent_tokens :], len(ids)
             new_lps = lps[len(lps) - len(new_ids) :] if lps is not None else None
             text, ids, lps = delta, new_ids, new_lps
-        cum = sum(p[t].logprob for p, t in zip(req.logprobs, req.output_token_ids)) if lps is not None else None
+        cum = None
+        if lps is not None:
+            cum = float(sum(p[t].logprob for p, t in zip(req.logprobs, req.output_token_ids)))
         status = req.status.value if finished else None
         return CompletionOutput(req.index, text, list(ids), status, stop_reason, lps, cum)
 

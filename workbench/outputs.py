@@ -63,16 +63,3 @@ class RequestOutput:
     #: per prompt token (``None`` for the first), with ``SamplingParams.prompt_logprobs``
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
-
-    @classmethod
-    def from_sequences(cls, group: list, tokenizer, metrics: dict) -> RequestOutput:
-        """The output of a finished request from its ``n`` sequences (:class:`workbench.request.Request`),
-        their text decoded with ``tokenizer`` (none: empty text); ``metrics``: the first one's record."""
-        outs = []
-        for req in group:
-            text = ""
-            if tokenizer is not None and req.output_token_ids:
-                text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            outs.append(CompletionOutput(req.index, text, list(req.output_token_ids), req.status.value))
-        first = group[0]
-        return cls(first.parent_id, first.prompt, first.prompt_token_ids, outs, True, first.error, metrics)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from workbench.sampling import SamplingParams
+from workbench.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +55,8 @@ class Request:
     parent_id: str | None = None  # the user's request id, for a parallel-sampling sibling
     index: int = 0  # which of the n sequences this is
     generator: torch.Generator | None = None  # the sampler's random stream (None: greedy)
+    logprobs: list = field(default_factory=list)  # per output token, token id -> Logprob (with sp.logprobs)
+    prompt_logprobs: list | None = None  # None, then per prompt token so far (with sp.prompt_logprobs)
 
     @property
     def token_ids(self) -> list[int]:

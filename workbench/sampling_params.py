@@ -10,7 +10,14 @@ streams; vLLM's default is ``CUMULATIVE``).
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
+
+#: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default ``max_logprobs``)
+MAX_LOGPROBS = 20
+#: temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)
+GREEDY_TEMPERATURE = 1e-5
 
 
 class RequestOutputKind(enum.Enum):
@@ -33,20 +40,24 @@ class SamplingParams:
         frequency_penalty: subtracted from a token's logit per occurrence in the output ([-2, 2]).
         repetition_penalty: logits of tokens in the prompt or output are divided by it when positive,
             multiplied when negative (CTRL, Keskar et al. 2019); 1 = off; > 0.
-        temperature: 0 = greedy (argmax); > 0 divides the logits.
-        top_p: keep the smallest set of tokens whose probability sums to >= top_p (1 = all).
+        temperature: 0 = greedy (argmax; as is anything below 1e-5, vLLM's rule); > 0 divides the logits.
+        top_p: keep the smallest set of tokens whose probability sums to >= top_p (1 = all); the most
+            likely token is always kept, so a tiny ``top_p`` is greedy.
         top_k: keep the k most likely tokens (-1 or 0 = all).
-        seed: seed of this request's generator; ``None`` = derived from the engine's seed and the arrival order.
+        seed: seed of this request's generator, in [-2**63, 2**64 - 1]; ``None`` = derived from the engine's
+            seed and the arrival order. With ``n > 1`` sequence ``i`` uses ``(seed + i) mod 2**64``.
         stop: strings that end the request when the output text contains one; trimmed from the text
             unless ``include_stop_str_in_output``.
         stop_token_ids: token ids that end the request (kept in the output).
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         ignore_eos: keep generating past the model's EOS token.
         max_tokens: most new tokens to generate.
-        min_tokens: EOS and ``stop_token_ids`` cannot end the request before this many tokens.
+        min_tokens: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked until this many tokens
+            are out (0 to ``max_tokens``).
         logprobs: return this many most likely tokens' log-probabilities per output token (plus the
-            sampled one); ``None`` = none.
-        prompt_logprobs: the same for every prompt token after the first.
+            sampled one), 0 to 20 (vLLM's default ``max_logprobs``); ``None`` = none.
+        prompt_logprobs: the same for every prompt token after the first (0 to 20); such a request
+            bypasses the prefix cache (as vLLM), so that every prompt position is computed.
         skip_special_tokens: leave special tokens out of the text.
         output_kind: see :class:`RequestOutputKind`; ``None`` = the entry point's default.
     """
@@ -71,21 +82,68 @@ class SamplingParams:
     output_kind: RequestOutputKind | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 = no nucleus cut)")
-        if self.top_k is None or self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k} must be -1 (all tokens) or a positive count")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n={self.n!r} must be an integer >= 1 (sequences per prompt)")
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every field (also after a field was changed in place); normalise ``stop`` to a list.
+
+        Raises:
+            ValueError: a field of the wrong type (``bool`` is not an integer here, a float is not
+                coerced to an integer) or out of vLLM's range; the message names the field, the value
+                and what is allowed.
+        """
+        _integer("n", self.n, 1)
+        _integer("max_tokens", self.max_tokens, 1)
+        _integer("min_tokens", self.min_tokens, 0, self.max_tokens, hint=f"max_tokens={self.max_tokens}")
+        _integer("top_k", self.top_k, -1)
+        _number("temperature", self.temperature, 0.0, None, "must be >= 0 (0 = greedy)")
+        _number("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1] (1 = no nucleus cut)", open_low=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _number(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2] (0 = off)")
+        _number("repetition_penalty", self.repetition_penalty, 0.0, None, "must be > 0 (1 = off)", open_low=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 0, MAX_LOGPROBS, hint=f"the cap max_logprobs={MAX_LOGPROBS}")
+        if self.seed is not None:
+            _integer("seed", self.seed, -(2**63), 2**64 - 1)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids (integers >= 0)")
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t, 0, hint="token ids")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings")
+        self.stop = list(stop)
+        if self.output_kind is not None and not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind={self.output_kind!r} must be a RequestOutputKind or None")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax sampling: ``temperature`` below vLLM's ``_SAMPLING_EPS`` (1e-5), which would
+        overflow the division of the logits."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _integer(name: str, value, lo: int, hi: int | None = None, hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``int`` (not a ``bool``) in ``[lo, hi]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} must be an integer (got {type(value).__name__}){_where(lo, hi, hint)}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}={value!r} is out of range: must be an integer{_where(lo, hi, hint)}")
+
+
+def _where(lo, hi, hint: str) -> str:
+    rng = f" >= {lo}" if hi is None else f" in [{lo}, {hi}]"
+    return rng + (f" ({hint})" if hint else "")
+
+
+def _number(name: str, value, lo: float, hi: float | None, rule: str, open_low: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real number (not a ``bool``) within the bounds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} must be a number (got {type(value).__name__}); it {rule}")
+    ok = math.isfinite(value) and (value > lo if open_low else value >= lo) and (hi is None or value <= hi)
+    if not ok:
+        raise ValueError(f"{name}={value!r} {rule}")

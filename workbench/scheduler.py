@@ -350,7 +350,9 @@ class Scheduler:
             return
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits = kv.find_cached_prefix(req.token_ids) if req.num_computed_tokens == 0 else []
+            # (a request with prompt_logprobs computes every prompt position: no prefix-cache hits, as vLLM)
+            fresh = req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None
+            hits = kv.find_cached_prefix(req.token_ids) if fresh else []
             computed = req.num_computed_tokens + len(hits) * kv.block_size
             n = self._chunk(req, token_budget, computed)
             if n == 0 or not kv.allocate_slots(req.request_id, computed + n, hits, write_start=computed):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from workbench.config import EngineConfig
 from workbench.engine import LLMEngine
-from workbench.inputs import Prompt
+from workbench.inputs import Prompt, as_prompt_list
 from workbench.metrics import Recorder
 from workbench.outputs import RequestOutput
 from workbench.sampling import SamplingParams
@@ -66,7 +66,8 @@ class LLM:
         """Generate for every prompt, batched by the engine; outputs come in the prompts' order.
 
         Args:
-            prompts: one prompt or a list (strings, token-id lists, or chat message lists).
+            prompts: one prompt or a list: strings, token-id lists, chat message lists, or vLLM's
+                ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` dicts.
             sampling_params: one for all, or one per prompt.
             use_tqdm: show progress bars of finished requests and of tokens processed (prefill and
                 decode; :mod:`workbench.entrypoints.progress`), or a tqdm-like factory to make them with.
@@ -75,21 +76,29 @@ class LLM:
                 ``kv_allocator="orca-oracle"`` / ``"orca-pow2"`` (see :meth:`LLMEngine.add_request`).
 
         Raises:
-            ValueError: an empty prompt or a mismatched number of sampling params; raised before
-                any request is queued, so nothing is lost.
+            ValueError: an empty prompt, a bad token id, a bad sampling parameter, or a mismatched
+                number of sampling params; TypeError: something that is not a prompt (``123``, ``None``)
+                or not a ``SamplingParams``. All are raised before any request is queued, so nothing is lost.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         sps = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(sps) != len(prompts):
             raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
+        for sp in sps:  # validate all before queueing any
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params holds {sp!r}; give SamplingParams objects")
+            sp.verify()
         eng = self.llm_engine
-        tokenized = [eng.tokenize(p) for p in prompts]  # validate all before queueing any
+        tokenized = [eng.tokenize(p) for p in prompts]
         base = eng._counter
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
+        clash = [i for i, sp in zip(ids, sps) if eng._id_in_use(i, sp.n)]
+        if clash:
+            raise ValueError(
+                f"request id {clash[0]!r} is already in the engine (added with add_request); use other ids"
+            )
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError(f"{len(prios)} priorities for {len(prompts)} prompts; give one per prompt")

@@ -20,6 +20,7 @@ from workbench.kv.manager import cdiv
 from workbench.memory import MemoryBudget, check_fits, engine_budget, profile_activation_peak
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.loader import build_model, load_model
+from workbench.sample_ops import any_logprobs, prompt_positions, step_logprobs
 from workbench.sampling import sample
 from workbench.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -34,6 +35,8 @@ class ModelRunnerOutput:
         overhead_s: seconds the executor attributes to the engine's own per-step work (a simulated executor's
             modelled overhead; 0 for a real one, whose engine measures it).
         comm: the step's collectives (``to_dict()`` gives StepStats' communication fields), or ``None``.
+        logprobs, prompt_logprobs: request id -> raw log-probabilities of the sampled token / of the step's
+            prompt tokens (:func:`workbench.sample_ops.step_logprobs`), for requests that asked.
     """
 
     sampled: dict[str, int]
@@ -41,6 +44,8 @@ class ModelRunnerOutput:
     sample_time_s: float = 0.0
     overhead_s: float = 0.0
     comm: object | None = None
+    logprobs: dict | None = None
+    prompt_logprobs: dict | None = None
 
 
 @dataclass
@@ -50,10 +55,12 @@ class ModelInput:
     Attributes:
         input_ids, positions: ``[num_tokens]`` int64, each token's id and its position in its sequence.
         meta: the paged-attention layout (slot mapping, block tables, context lengths).
-        logits_indices: ``[num_sampling]`` int64, rows of the tokens that sample.
+        logits_indices: ``[num_sampling + num_prompt_rows]`` int64, rows of the tokens that sample, then those
+            of ``prompt_rows``.
         sampling: the scheduled requests that sample, in the order of ``logits_indices``.
         order: every scheduled request in the order its tokens appear in ``input_ids`` (each contributes
             ``num_new_tokens`` consecutive tokens): decodes first, then the rest.
+        prompt_rows: ``(request, lo, hi)``: a ``prompt_logprobs`` request's prompt positions ``lo..hi-1`` in this step.
     """
 
     input_ids: torch.Tensor
@@ -62,6 +69,7 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampling: list[ScheduledRequest]
     order: list[ScheduledRequest] = field(default_factory=list)
+    prompt_rows: list = field(default_factory=list)
 
 
 def prepare_inputs(out: SchedulerOutput, kv: KVManager, device: torch.device) -> ModelInput:
@@ -70,7 +78,7 @@ def prepare_inputs(out: SchedulerOutput, kv: KVManager, device: torch.device) ->
     decodes = sorted((s for s in out.scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
     prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
     bs = kv.block_size
-    ids, pos, slots, logits_idx = [], [], [], []
+    ids, pos, slots, logits_idx, prompt_idx, prompt_rows = [], [], [], [], [], []
     sampling: list[ScheduledRequest] = []
     for s in decodes + prefills:
         req, start, n = s.request, s.start, s.num_new_tokens
@@ -80,6 +88,9 @@ def prepare_inputs(out: SchedulerOutput, kv: KVManager, device: torch.device) ->
         if s.samples:
             logits_idx.append(len(ids) - 1)
             sampling.append(s)
+        if req.sampling_params.prompt_logprobs is not None and (span := prompt_positions(req, start, n)):
+            prompt_rows.append((req, *span))
+            prompt_idx.extend(range(len(ids) - n + span[0] - start, len(ids) - n + span[1] - start))
 
     def t(x):
         return torch.tensor(x, dtype=torch.long, device=device)
@@ -109,7 +120,7 @@ def prepare_inputs(out: SchedulerOutput, kv: KVManager, device: torch.device) ->
             t(kv.get_block_table(s.request.request_id)[: cdiv(s.start + s.num_new_tokens, bs)]) for s in prefills
         ],
     )
-    return ModelInput(t(ids), t(pos), meta, t(logits_idx), sampling, decodes + prefills)
+    return ModelInput(t(ids), t(pos), meta, t(logits_idx + prompt_idx), sampling, decodes + prefills, prompt_rows)
 
 
 class ModelRunner:
@@ -228,11 +239,11 @@ class ModelExecutor:
         logits = self.execute_model(inp)
         t1 = time.perf_counter()
         reqs = [s.request for s in inp.sampling]
-        toks = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        toks = sample(logits[: len(reqs)], [r.sampling_params for r in reqs], [r.generator for r in reqs], reqs)
+        lps = step_logprobs(logits, reqs, toks, inp.prompt_rows) if inp.prompt_rows or any_logprobs(reqs) else (None,)
         comm = self.stats.since(comm0) if comm0 is not None else None
-        return ModelRunnerOutput(
-            {r.request_id: t for r, t in zip(reqs, toks)}, t1 - t0, time.perf_counter() - t1, 0, comm
-        )
+        sampled = {r.request_id: t for r, t in zip(reqs, toks)}
+        return ModelRunnerOutput(sampled, t1 - t0, time.perf_counter() - t1, 0, comm, *lps)
 
     def shutdown(self) -> None:
         """Release what the executor holds (worker processes); idempotent."""
