@@ -466,6 +466,9 @@ def test_sharegpt_output_len_comes_from_the_reply(tokenizer, tmp_path):
     assert {s.expected_output_len for s in samples} == replies
     fixed = bs.build_samples("sharegpt", tokenizer, num_prompts=5, seed=0, dataset_path=str(p), output_len=9)
     assert {s.expected_output_len for s in fixed} == {9}
+    p.write_text(json.dumps([{"id": "q", "conversations": [{"from": "human", "value": "no answer here"}]}]))
+    with pytest.raises(ValueError, match="--output-len"):
+        bs.build_samples("sharegpt", tokenizer, num_prompts=1, seed=0, dataset_path=str(p))
 
 
 # ---------------------------------------------------------------------------------------------

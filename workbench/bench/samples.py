@@ -195,6 +195,7 @@ def build_samples(
         records = load_prompts(dataset_path)
         random.Random(seed).shuffle(records)
         out = []
+        no_reply = 0
         for r in records:
             if len(out) >= num_prompts:
                 break
@@ -213,8 +214,14 @@ def build_samples(
                 ):
                     continue
             else:
-                continue  # no reply to take the output length from
+                no_reply += 1  # no reply to take the output length from
+                continue
             out.append(SampleRequest(r.prompt, n_in, n_out, r.id))
+        if not out and no_reply:
+            raise ValueError(
+                f"--dataset-path {dataset_path}: no conversation has a gpt reply to take the output length "
+                "from; give --output-len N (tokens) for every request"
+            )
         _enough(out, num_prompts, dataset_path, "usable conversations (a human turn answered by a gpt turn)")
         return out
     if dataset_name == "jsonl":

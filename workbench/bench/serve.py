@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import threading
 import time
@@ -42,6 +43,7 @@ from workbench.bench.samples import (
     build_samples,
     load_tokenizer,
 )
+from workbench.catalog import is_bundled_model
 
 __all__ = [
     "DEFAULT_JSONL_OUTPUT_LEN",
@@ -69,6 +71,7 @@ _METRIC_TITLES = {
     "e2el": ("E2EL", "End-to-end Latency"),
 }
 _ENDPOINTS = {"completions": "openai", "chat/completions": "openai-chat"}
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,6 +603,13 @@ def run_bench_serve(
         if samples is not None:
             return list(samples)
         tok, tokenizer_id = load_tokenizer(tokenizer)
+        if tokenizer is None and not is_bundled_model(model_id):
+            log.warning(
+                "prompt tokens are counted with the bundled model's tokenizer (%s), not %s's: lengths may "
+                "differ on the server; pass --tokenizer <local folder> to count with the served model's",
+                tokenizer_id,
+                model_id,
+            )
         built = build_samples(
             dataset_name,
             tok,
