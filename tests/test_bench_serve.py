@@ -553,7 +553,8 @@ def test_end_to_end_against_workbench_serve():
     assert res["completed"] == 16, res["errors"]
     assert res["failed"] == 0
     assert res["output_lens"] == [8] * 16  # random prompts ignore EOS, as in vLLM
-    assert res["total_input_tokens"] == sum(res["input_lens"]) and 16 * 32 == res["total_input_tokens"]
+    assert res["total_input_tokens"] == sum(res["input_lens"])
+    assert all(30 <= n <= 34 for n in res["input_lens"])  # 32 tokens, up to decode/re-encode merges
     assert 0 < res["mean_ttft_ms"] <= res["mean_e2el_ms"]
     assert res["mean_tpot_ms"] > 0 and res["median_itl_ms"] > 0
     assert 1 <= res["max_concurrent_requests"] <= 8

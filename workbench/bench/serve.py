@@ -194,7 +194,7 @@ async def send_request(
                 if data == "[DONE]":
                     break
                 obj = json.loads(data)
-                if "error" in obj:
+                if obj.get("error"):
                     rec.error = f"error in stream: {_error_text(obj)}"[:500]
                     return rec
                 choices = obj.get("choices") or []
