@@ -269,7 +269,7 @@ def calculate_metrics(
         ``output_throughput`` and ``total_token_throughput`` (tok/s), ``max_concurrent_requests``
         (the most completed requests whose [send, end) intervals overlap), the per-request lists
         ``input_lens``, ``output_lens`` (0 for failed), ``ttfts`` (s, None for failed), ``itls`` (s),
-        ``generated_texts``, ``errors``, and the statistics in milliseconds (None without data).
+        ``latencies`` (E2EL, s), ``start_times`` (send times, s on ``time.perf_counter``), ``generated_texts``, ``errors``, and the statistics in milliseconds (None without data).
     """
     ok = [r for r in records if r.success]
     ttfts = [r.ttft for r in ok]
@@ -309,6 +309,8 @@ def calculate_metrics(
         "output_lens": [r.output_tokens if r.success else 0 for r in records],
         "ttfts": [r.ttft if r.success else None for r in records],
         "itls": [r.itl if r.success else [] for r in records],
+        "latencies": [r.latency if r.success else None for r in records],
+        "start_times": [r.start_time for r in records],
         "generated_texts": [r.generated_text for r in records],
         "errors": [r.error for r in records],
     }
