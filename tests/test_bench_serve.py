@@ -512,11 +512,15 @@ def test_cli_bad_flag_is_a_clear_error():
 
 
 def _server_available() -> bool:
-    return (Path(__file__).resolve().parents[1] / "workbench" / "server").is_dir()
+    from workbench.cli import main
+
+    return "serve" in main.commands
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _server_available(), reason="workbench serve (workbench/server/) is not on this branch yet")
+@pytest.mark.skipif(
+    not _server_available(), reason="the `workbench serve` command (the HTTP server) is not on this branch yet"
+)
 def test_end_to_end_against_workbench_serve():
     import httpx
     from browser_support import stop_process
