@@ -24,10 +24,22 @@ PACKAGES = ("workbench", "kernels")
 LAYERS: dict[int, tuple[str, ...]] = {
     # plain data and the KV managers: the engine arguments, requests, sampling parameters, the
     # model/GPU catalogue (imports nothing of ours; config asks it which names are the bundled model)
-    0: ("config", "request", "sampling", "sampling_params", "kv", "units", "comm", "inputs", "outputs", "plugins", "catalog"),
+    0: (
+        "config",
+        "request",
+        "sampling",
+        "sampling_params",
+        "kv",
+        "units",
+        "comm",
+        "inputs",
+        "outputs",
+        "plugins",
+        "catalog",
+    ),
     # what the model and the engine core build on: attention backends and kernels, communication
     # counters, step statistics, the scheduler (over kv/)
-    1: ("attention", "kernels", "metrics", "scheduler"),
+    1: ("attention", "kernels", "metrics", "scheduler", "output_processor"),
     # the model (uses attention, comm, catalog) and the memory budget (uses attention)
     2: ("model", "memory"),
     # the KV calculator (a model's architecture, its memory budget)

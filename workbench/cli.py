@@ -219,6 +219,43 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
         console.print(f"rows:   {res.out_dir / 'compare.json'}")
 
 
+@main.command(short_help="Serve the model over an OpenAI-compatible HTTP API, with Prometheus /metrics.")
+@click.argument("model_tag", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind (0.0.0.0: every interface)")
+@click.option("--port", default=8000, show_default=True, type=int, help="TCP port")
+@click.option("--served-model-name", default=None, help="the name clients use as 'model' [default: --model's value]")
+@click.option(
+    "--graceful-shutdown-timeout",
+    default=5.0,
+    show_default=True,
+    type=float,
+    help="seconds in-flight requests get to finish after SIGINT/SIGTERM; the rest are aborted",
+)
+@click.option(
+    "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
+)
+@engine_options
+def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, log_level, **kw):
+    """Serve the model over HTTP, as `vllm serve`: POST /v1/completions and /v1/chat/completions
+    (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize
+    and /detokenize. MODEL_TAG, when given, is the model (as --model).
+
+    \b
+    workbench serve --port 8000 --max-model-len 2048
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
+    """
+    from workbench.server.api_server import run_server
+
+    args = _engine_args(kw)
+    if model_tag is not None:
+        args["model"] = model_tag
+    try:
+        run_server(args, host, port, served_model_name, log_level, graceful_shutdown_timeout)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command(short_help="Start JupyterLab on the course's chapter notebooks (labs/).")
 @click.option(
     "--labs-dir",

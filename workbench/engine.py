@@ -28,6 +28,7 @@ from workbench.memory import MemoryBudget, swap_pool_blocks
 from workbench.metrics import Recorder, request_record
 from workbench.metrics.accounting import PoolAccounting, block_map
 from workbench.metrics.stats import step_stats
+from workbench.output_processor import OutputProcessor
 from workbench.outputs import CompletionOutput, RequestOutput
 from workbench.request import Request, RequestStatus
 from workbench.sampling import SamplingParams
@@ -124,6 +125,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # every unfinished sequence, by its own id
         self.groups: dict[str, list[Request]] = {}  # the user's request id -> its n sequences
         self._refused: list[Request] = []
+        #: text, stop strings and the outputs each request's output_kind asks for
+        self.output = OutputProcessor(self.tokenizer)
         self._counter = 0
         self._step = 0
         self.start_time = self.clock()
@@ -222,6 +225,7 @@ class LLMEngine:
                 child.generator.manual_seed(seed + i)
             group.append(child)
             self.requests[child.request_id] = child
+            self.output.add(child)
         self.groups[request_id] = group
         return group
 
@@ -267,8 +271,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, execute (model and sampling), update. Returns the requests
-        finished in it.
+        """Run one iteration: schedule, execute (model and sampling), update. Returns the outputs of
+        the step: finished requests, and every step's progress of ``DELTA`` / ``CUMULATIVE`` ones
+        (``SamplingParams.output_kind``).
 
         Raises:
             TensorParallelError: (``tensor_parallel_size > 1``) a worker died, or hung past
@@ -287,18 +292,27 @@ class LLMEngine:
         t_model = self.clock()
         if not out.is_empty:
             finished += self.scheduler.update(out, result.sampled, t_model)
+            stepped = [self.requests[rid] for rid in result.sampled]
+            for r in self.output.check_stop_strings(stepped):  # text that reached a stop string
+                self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
+                finished.append(r)
         t_end = self.clock()
         if not out.is_empty or finished or out.preempted:
             self._record_step(out, finished, t_start, t_end, t_sched - t_start + result.overhead_s, result)
-        outputs = []
+        touched = {r.request_id for r in finished}
+        if self.output.num_streaming:
+            touched.update(result.sampled)
+        outputs = self.output.make_outputs(self.groups, touched, self._record_of)
         for r in finished:
             self.requests.pop(r.request_id, None)
-            group = self.groups.get(r.parent_id)
-            if group is not None and all(c.is_finished for c in group):
-                del self.groups[r.parent_id]
-                metrics = dict(vars(request_record(group[0], self.start_time)))  # (asdict's deep copy is slow)
-                outputs.append(RequestOutput.from_sequences(group, self.tokenizer, metrics))
+        for o in outputs:
+            if o.finished:
+                del self.groups[o.request_id]
         return outputs
+
+    def _record_of(self, group: list[Request]) -> dict:
+        """A finished request's record (its first sequence's) as a dict."""
+        return dict(vars(request_record(group[0], self.start_time)))  # (asdict's deep copy is slow)
 
     def _record_step(self, out: SchedulerOutput, finished, t_start, t_end, sched_s, result) -> None:
         """The step's StepStats (with the KV pool's split), block map, and finished requests' records."""

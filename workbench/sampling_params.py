@@ -2,8 +2,9 @@
 ``vllm/sampling_params.py`` (https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html).
 
 Defaults are vLLM's except ``temperature`` (0 = greedy here, 1.0 in vLLM: the course's runs must
-reproduce token for token; the README lists this difference) and ``output_kind`` (``FINAL_ONLY``:
-the offline ``LLM`` and the labs read only finished requests; the server asks for ``DELTA``).
+reproduce token for token; the README lists this difference) and ``output_kind`` (``None``: the
+entry point decides: ``FINAL_ONLY`` for ``LLM`` and ``LLMEngine``, ``DELTA`` for ``AsyncLLM``, which
+streams; vLLM's default is ``CUMULATIVE``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class SamplingParams:
             sampled one); ``None`` = none.
         prompt_logprobs: the same for every prompt token after the first.
         skip_special_tokens: leave special tokens out of the text.
-        output_kind: see :class:`RequestOutputKind`.
+        output_kind: see :class:`RequestOutputKind`; ``None`` = the entry point's default.
     """
 
     n: int = 1
@@ -67,7 +68,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    output_kind: RequestOutputKind | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

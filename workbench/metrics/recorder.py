@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,12 +91,21 @@ class Recorder:
         requests: every finished request's ``RequestRecord``, in finishing order.
         block_maps: per-block pictures of the pool (``block_map_every``), see
             :meth:`workbench.kv.manager.KVCacheManager.block_map`.
+
+    Args:
+        sinks: where every record also goes as it comes.
+        history: keep only the last ``history`` steps, requests and block maps (``deque`` s, for a
+            long-running server whose memory must stay flat; sinks still see everything);
+            ``None`` keeps all (lists).
     """
 
-    def __init__(self, sinks: list | None = None) -> None:
-        self.steps: list[StepStats] = []
-        self.requests: list[RequestRecord] = []
-        self.block_maps: list[dict] = []
+    def __init__(self, sinks: list | None = None, history: int | None = None) -> None:
+        def table():
+            return [] if history is None else deque(maxlen=history)
+
+        self.steps: list[StepStats] = table()
+        self.requests: list[RequestRecord] = table()
+        self.block_maps: list[dict] = table()
         self.sinks = list(sinks or [])
 
     def add_sink(self, sink) -> None:

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP server of ``workbench serve``."""
+"""The OpenAI-compatible HTTP server (``workbench serve``) and its Prometheus ``/metrics``."""

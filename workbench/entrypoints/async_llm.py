@@ -1,0 +1,263 @@
+"""``AsyncLLM``: the engine behind ``async generate(...)``, as vLLM's ``AsyncLLM`` (``AsyncLLMEngine``)
+(vllm/v1/engine/async_llm.py). The HTTP server (:mod:`workbench.server`) is built on it, and a notebook
+can use it directly::
+
+    from workbench import AsyncLLM, SamplingParams
+    engine = AsyncLLM(max_model_len=1024)
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
+        print(out.outputs[0].text, end="")
+    engine.shutdown()
+
+One background thread owns the :class:`~workbench.engine.LLMEngine`: it takes new requests and aborts
+from a queue, steps while any request is unfinished and sleeps otherwise, and hands each step's
+outputs to the asyncio queues of their callers. Requests stream as ``DELTA`` outputs (only what is new
+since the previous one); the last has ``finished=True``. vLLM runs its engine core in another process;
+one thread is enough here because the model's matmuls release the GIL and the HTTP side is light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+
+from workbench.config import EngineConfig
+from workbench.engine import LLMEngine
+from workbench.inputs import Prompt
+from workbench.metrics import Recorder
+from workbench.outputs import RequestOutput
+from workbench.sampling_params import RequestOutputKind, SamplingParams
+
+log = logging.getLogger("workbench")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error (e.g. a tensor-parallel worker died); no request can run."""
+
+
+class _Stream:
+    """One request's outputs on their way from the engine thread to its caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:  # from the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    """An :class:`~workbench.engine.LLMEngine` stepped by a background thread, with ``async generate``.
+
+    Args:
+        model: see :class:`~workbench.config.EngineConfig` (default: the bundled SmolLM2-135M-Instruct).
+        recorder: receives every StepStats and request record (default: one that keeps the last
+            ``history`` of each, so that a long-running server's memory stays flat).
+        history: steps and request records kept by the default recorder.
+        **engine_args: any :class:`EngineConfig` field, with vLLM's names.
+
+    Raises:
+        ValueError / FileNotFoundError: a bad engine argument, before the model loads.
+    """
+
+    def __init__(
+        self, model: str | None = None, recorder: Recorder | None = None, history: int = 10_000, **engine_args
+    ):
+        if model is not None:
+            engine_args["model"] = model
+        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; see workbench.EngineConfig")
+        self.engine = LLMEngine(EngineConfig(**engine_args), recorder=recorder or Recorder(history=history))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self.dead: BaseException | None = None  #: the error that stopped the engine loop, if any
+        self._thread = threading.Thread(target=self._loop, name="workbench-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        tokenized: tuple[list[int], str | None] | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Queue one request and yield its outputs as they come (``DELTA``: each carries only the new
+        text and tokens; ``sampling_params.output_kind`` may ask for ``CUMULATIVE`` or ``FINAL_ONLY``).
+        Leaving the loop early (``break``, a cancelled task, a client that disconnected) aborts the
+        request and frees its KV blocks.
+
+        Raises:
+            ValueError: the prompt or parameters are invalid, or the id is in use (before anything is queued).
+            EngineDeadError: the engine loop stopped on an error.
+        """
+        if self.dead is not None or self._stopping:
+            raise EngineDeadError(f"the engine is not running ({self.dead or 'shut down'})")
+        sp = sampling_params or SamplingParams()
+        final_only = sp.output_kind == RequestOutputKind.FINAL_ONLY  # merged here from deltas
+        if sp.output_kind in (None, RequestOutputKind.FINAL_ONLY):
+            sp = replace(sp, output_kind=RequestOutputKind.DELTA)
+        request_id = request_id or uuid.uuid4().hex
+        if tokenized is None:
+            tokenized = self.engine.tokenize(prompt)  # bad prompts raise here, in the caller
+        stream = _Stream(asyncio.get_running_loop())
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already running; use a unique id")
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, prompt, sp, priority, tokenized))
+        self._wake.set()
+        finished = False
+        merged: RequestOutput | None = None
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                if final_only:
+                    merged = _merge(merged, item)
+                    if finished:
+                        yield merged
+                else:
+                    yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort a request (its blocks are freed at the engine's next step); thread-safe, no-op when unknown."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request, as vLLM's ``AsyncLLM.abort``."""
+        self.abort_nowait(request_id)
+
+    def call(self, fn, timeout: float = 30.0):
+        """Run ``fn(engine)`` on the engine thread between steps and return its result (e.g. to read
+        the KV manager's state consistently); raises what ``fn`` raises."""
+        done = threading.Event()
+        box: list = [None, None]
+        self._inbox.put(("call", fn, box, done))
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the engine thread did not answer within {timeout} s")
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort every request, stop the engine thread, and stop tensor-parallel workers (idempotent)."""
+        if not self._stopping:
+            self._stopping = True
+            self._wake.set()
+            self._thread.join(timeout)
+        self.engine.shutdown()
+
+    def __enter__(self) -> AsyncLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not eng.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for out in eng.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+            for rid in list(eng.groups):  # shutting down: every request ends as aborted
+                eng.abort(rid)
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+        except BaseException as e:  # a worker died, a bug: every caller learns why
+            self.dead = e
+            log.exception("the engine loop stopped")
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"the engine loop stopped: {e}"))
+
+    def _drain_inbox(self) -> None:
+        eng = self.engine
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, sp, priority, tokenized = cmd
+                try:
+                    eng.add_request(rid, prompt, sp, tokenized=tokenized, priority=priority)
+                except (ValueError, TypeError) as e:
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.put(e)
+            elif cmd[0] == "abort":
+                eng.abort(cmd[1])
+            elif cmd[0] == "call":
+                _, fn, box, done = cmd
+                try:
+                    box[0] = fn(eng)
+                except Exception as e:  # handed to the caller
+                    box[1] = e
+                done.set()
+
+
+def _merge(acc: RequestOutput | None, new: RequestOutput) -> RequestOutput:
+    """Fold a ``DELTA`` output into the one accumulated so far (a ``FINAL_ONLY`` caller's result)."""
+    if acc is None:
+        acc = replace(new, outputs=[])
+    by_index = {c.index: c for c in acc.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            by_index[c.index] = replace(c, token_ids=list(c.token_ids), logprobs=list(c.logprobs or []) or None)
+            continue
+        old.text += c.text
+        old.token_ids += c.token_ids
+        if c.logprobs:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+        old.cumulative_logprob = c.cumulative_logprob
+    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    acc.finished, acc.error, acc.metrics = new.finished, new.error, new.metrics
+    return acc
+
+
+#: vLLM's older name
+AsyncLLMEngine = AsyncLLM
+
+__all__ = ["AsyncLLM", "AsyncLLMEngine", "EngineDeadError"]

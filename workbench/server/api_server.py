@@ -1,0 +1,515 @@
+"""``workbench serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over :class:`AsyncLLM`,
+in the shape of vLLM's ``vllm serve`` (vllm/entrypoints/openai/api_server.py).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
+server-sent events ending in ``data: [DONE]``, and ``stream_options.include_usage``),
+``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
+(Prometheus: :class:`~workbench.server.metrics.PrometheusSink`), ``GET /version``.
+
+Bad input is answered before anything is queued, with OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``: 400 for an invalid field (naming it and its
+allowed range), a prompt longer than ``max_model_len`` or ``max_tokens`` past it (naming the numbers);
+404 for an unknown model. A client that disconnects aborts its request (its KV blocks are freed at
+the engine's next step). SIGINT / SIGTERM: uvicorn stops accepting, in-flight requests get
+``--graceful-shutdown-timeout`` seconds to finish, the rest are aborted, and tensor-parallel workers
+are stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from workbench.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from workbench.outputs import RequestOutput
+from workbench.sampling_params import RequestOutputKind, SamplingParams
+from workbench.server.metrics import PrometheusSink
+from workbench.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+log = logging.getLogger("workbench.server")
+
+
+class OpenAIServing:
+    """What the endpoints share: the engine, the served name, request checks and response shapes."""
+
+    def __init__(self, llm: AsyncLLM, served_model_name: str) -> None:
+        self.llm = llm
+        self.name = served_model_name
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{self.name}`.", 404, "model")
+
+    def tokenize(self, prompt, param: str) -> tuple[list[int], str | None]:
+        try:
+            return self.llm.engine.tokenize(prompt)
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e), 400, param) from None
+
+    def max_tokens(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
+        """``max_tokens`` after vLLM's length checks; ``None`` = what ``max_model_len`` leaves."""
+        m = self.llm.max_model_len
+        if n_prompt >= m:
+            raise APIError(
+                f"This model's maximum context length is {m} tokens, but the prompt has {n_prompt} tokens; "
+                f"shorten the prompt to at most {m - 1} tokens (one is needed for the output).",
+                400,
+                param,
+            )
+        pool = self.llm.engine.kv.pool_tokens
+        if n_prompt + 1 > pool:
+            raise APIError(
+                f"The prompt has {n_prompt} tokens but the KV cache holds {pool} tokens; shorten the prompt.",
+                400,
+                param,
+            )
+        if max_tokens is None:
+            return m - n_prompt
+        if n_prompt + max_tokens > m:
+            raise APIError(
+                f"This model's maximum context length is {m} tokens. However, you requested {n_prompt + max_tokens} "
+                f"tokens ({n_prompt} in the prompt, {max_tokens} for the completion); set max_tokens to at most "
+                f"{m - n_prompt} or shorten the prompt.",
+                400,
+                "max_tokens",
+            )
+        return max_tokens
+
+    def sampling_params(self, req, max_tokens: int, logprobs: int | None, stream: bool) -> SamplingParams:
+        """The request's :class:`SamplingParams`; a field out of range is a 400 naming it."""
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                seed=req.seed,
+                stop=req.stop,
+                stop_token_ids=list(req.stop_token_ids or []),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            )
+        except (ValueError, TypeError) as e:
+            m = re.match(r"\s*(\w+)\s*=", str(e))
+            raise APIError(str(e), 400, m.group(1) if m else None) from None
+
+    # ------------------------------------------------------------------ running requests
+    async def run_all(self, http: Request, jobs: list[tuple]) -> list[RequestOutput]:
+        """Run ``jobs`` (``(request_id, tokenized, SamplingParams, priority)``) to completion; abort all
+        of them if the client disconnects first."""
+
+        async def one(rid, tok, sp, prio) -> RequestOutput:
+            final = None
+            async for out in self.llm.generate(_prompt_of(tok), sp, request_id=rid, priority=prio, tokenized=tok):
+                final = out
+            return final
+
+        task = asyncio.ensure_future(asyncio.gather(*(one(*j) for j in jobs)))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                task.cancel()  # each generate's exit aborts its request
+                raise asyncio.CancelledError
+
+    async def stream_all(self, jobs: list[tuple]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The outputs of ``jobs`` as they come, tagged with the job's index; leaving early (a client
+        that disconnected) cancels every job, which aborts its request."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def one(i, rid, tok, sp, prio):
+            try:
+                async for out in self.llm.generate(_prompt_of(tok), sp, request_id=rid, priority=prio, tokenized=tok):
+                    await q.put((i, out))
+            except Exception as e:  # handed to the stream
+                await q.put((i, e))
+            finally:
+                await q.put((i, None))
+
+        tasks = [asyncio.ensure_future(one(i, *j)) for i, j in enumerate(jobs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await q.get()
+                if item is None:
+                    left -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def _prompt_of(tokenized: tuple[list[int], str | None]):
+    """The prompt as the engine records it: its text, or its token ids."""
+    ids, text = tokenized
+    return text if text is not None else ids
+
+
+def completion_logprobs(c, offset: int) -> dict | None:
+    """OpenAI's completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if c.logprobs is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for tid, pos in zip(c.token_ids, c.logprobs):
+        chosen = pos[tid]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        values.append(chosen.logprob)
+        tops.append({(lp.decoded_token or ""): lp.logprob for lp in pos.values()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(c, top: int) -> dict | None:
+    """OpenAI's chat ``logprobs`` object (``content``: token, logprob, bytes, top_logprobs)."""
+    if c.logprobs is None:
+        return None
+
+    def entry(lp):
+        tok = lp.decoded_token or ""
+        return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8"))}
+
+    content = []
+    for tid, pos in zip(c.token_ids, c.logprobs):
+        ranked = sorted(pos.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+        content.append({**entry(pos[tid]), "top_logprobs": [entry(lp) for lp in ranked[:top]]})
+    return {"content": content}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _chat_messages(messages) -> list[dict]:
+    """Messages as the chat template takes them (content parts joined into text)."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            texts = [p.get("text", "") for p in content if p.get("type") == "text"]
+            if len(texts) != len(content):
+                raise APIError("only text content parts are supported (type 'text')", 400, "messages")
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None = None) -> FastAPI:
+    """The FastAPI application over ``llm`` (see the module docstring for the endpoints)."""
+    serving = OpenAIServing(llm, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        llm.shutdown()  # in-flight requests aborted, tensor-parallel workers stopped
+
+    app = FastAPI(title="workbench", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or None
+        got = first.get("input")
+        msg = f"{field or 'body'}: {first.get('msg', 'invalid value')}"
+        if first.get("type") not in ("missing", "json_invalid"):
+            msg += f" (got {json.dumps(got, default=str)})"
+        return JSONResponse(APIError(msg, 400, field).body(), status_code=400)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request, exc):
+        return JSONResponse(APIError(str(exc), 503).body(), status_code=503)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if llm.is_running else 503)
+
+    @app.get("/version")
+    async def version():
+        from workbench import __version__
+
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": serving.name,
+            "object": "model",
+            "created": serving.created,
+            "owned_by": "workbench",
+            "root": str(llm.engine.config.model),
+            "max_model_len": llm.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        if sink is None:
+            raise APIError("this server was started without metrics", 404)
+        return Response(sink.render(), media_type=sink.CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of 'prompt' and 'messages'", 400, "prompt")
+        if req.messages is not None:
+            ids, _ = serving.tokenize(_chat_messages(req.messages), "messages")
+        else:
+            tok = llm.tokenizer
+            if tok is None:
+                raise APIError("this model has no tokenizer", 400, "prompt")
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        serving.check_model(req.model)
+        vocab = llm.engine.hf_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
+        return {"prompt": llm.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http: Request):
+        serving.check_model(req.model)
+        if req.echo:
+            raise APIError("echo=true is not supported; leave it out (the prompt is in your request)", 400, "echo")
+        if req.suffix is not None:
+            raise APIError("suffix is not supported by this model; leave it out", 400, "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(f"best_of={req.best_of} is not supported; use n (got n={req.n})", 400, "best_of")
+        prompts = req.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError("prompt is empty; give a string, a list of strings or token ids", 400, "prompt")
+        toks = [serving.tokenize(p, "prompt") for p in prompts]
+        sps = [
+            serving.sampling_params(
+                req, serving.max_tokens(len(t[0]), req.max_tokens, "prompt"), req.logprobs, req.stream
+            )
+            for t in toks
+        ]
+        rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        jobs = [(f"{rid}-{i}", t, sp, req.priority) for i, (t, sp) in enumerate(zip(toks, sps))]
+        n = req.n
+        n_prompt = sum(len(t[0]) for t in toks)
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.name}
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def events():
+                n_out = 0
+                offsets: dict[int, int] = {}
+                try:
+                    async for i, out in serving.stream_all(jobs):
+                        if out.error:
+                            yield _sse(APIError(out.error, 400, "prompt").body())
+                            continue
+                        choices = []
+                        for c in out.outputs:
+                            idx = i * n + c.index
+                            n_out += len(c.token_ids)
+                            if not c.text and not c.token_ids and c.finish_reason is None:
+                                continue
+                            lp = completion_logprobs(c, offsets.get(idx, 0))
+                            offsets[idx] = offsets.get(idx, 0) + len(c.text)
+                            choices.append(
+                                {
+                                    "index": idx,
+                                    "text": c.text,
+                                    "logprobs": lp,
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason,
+                                }
+                            )
+                        if choices:
+                            yield _sse({**head, "choices": choices})
+                    if usage:
+                        yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_out)})
+                except EngineDeadError as e:
+                    yield _sse(APIError(str(e), 503).body())
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        outs = await serving.run_all(http, jobs)
+        choices, n_out = [], 0
+        for i, out in enumerate(outs):
+            if out.error:
+                raise APIError(out.error, 400, "prompt")
+            for c in out.outputs:
+                n_out += len(c.token_ids)
+                choices.append(
+                    {
+                        "index": i * n + c.index,
+                        "text": c.text,
+                        "logprobs": completion_logprobs(c, 0),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {**head, "choices": choices, "usage": _usage(n_prompt, n_out)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, http: Request):
+        serving.check_model(req.model)
+        if req.tools:
+            raise APIError("tools are not supported by this server; leave 'tools' out", 400, "tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+        tok = serving.tokenize(_chat_messages(req.messages), "messages")
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        sp = serving.sampling_params(req, serving.max_tokens(len(tok[0]), limit, "messages"), logprobs, req.stream)
+        rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = [(rid, tok, sp, req.priority)]
+        n_prompt = len(tok[0])
+        top = req.top_logprobs or 0
+        head = {"id": rid, "created": int(time.time()), "model": serving.name}
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunk = {**head, "object": "chat.completion.chunk"}
+
+            async def events():
+                n_out = 0
+                started: set[int] = set()
+                try:
+                    async for _, out in serving.stream_all(jobs):
+                        if out.error:
+                            yield _sse(APIError(out.error, 400, "messages").body())
+                            continue
+                        choices = []
+                        for c in out.outputs:
+                            n_out += len(c.token_ids)
+                            if c.index not in started:
+                                started.add(c.index)
+                                first = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
+                                yield _sse({**chunk, "choices": [{**first, "logprobs": None, "finish_reason": None}]})
+                            if not c.text and not c.token_ids and c.finish_reason is None:
+                                continue
+                            choices.append(
+                                {
+                                    "index": c.index,
+                                    "delta": {"content": c.text} if c.text else {},
+                                    "logprobs": chat_logprobs(c, top),
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason,
+                                }
+                            )
+                        if choices:
+                            yield _sse({**chunk, "choices": choices})
+                    if usage:
+                        yield _sse({**chunk, "choices": [], "usage": _usage(n_prompt, n_out)})
+                except EngineDeadError as e:
+                    yield _sse(APIError(str(e), 503).body())
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        (out,) = await serving.run_all(http, jobs)
+        if out.error:
+            raise APIError(out.error, 400, "messages")
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c, top),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ]
+        n_out = sum(len(c.token_ids) for c in out.outputs)
+        return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(n_prompt, n_out)}
+
+    return app
+
+
+def run_server(
+    engine_args: dict,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+    graceful_shutdown_timeout: float = 5.0,
+) -> None:
+    """Load the engine, then serve until SIGINT / SIGTERM (blocks).
+
+    Raises:
+        ValueError / FileNotFoundError: a bad engine argument, before anything listens.
+    """
+    import uvicorn
+
+    llm = AsyncLLM(**engine_args)
+    try:
+        name = served_model_name or llm.engine.config.model
+        sink = PrometheusSink(name, engine=llm.engine)
+        llm.engine.recorder.add_sink(sink)
+        app = build_app(llm, name, sink)
+        log.info(
+            "serving %s on http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions; "
+            "Prometheus: /metrics)",
+            name,
+            host,
+            port,
+        )
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=graceful_shutdown_timeout,
+            access_log=log_level == "debug",
+        )
+        uvicorn.Server(config).run()
+    finally:
+        llm.shutdown()
+
+
+__all__ = ["OpenAIServing", "build_app", "run_server"]
