@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from workbench.bench.serve_cli import bench_serve_command
 from workbench.cli_options import engine_args as _engine_args
 from workbench.cli_options import engine_options, parse_bytes
 from workbench.config import BATCHING_POLICIES, KV_ALLOCATORS
@@ -293,6 +294,12 @@ def lab(labs_dir, port, no_browser, jupyter_args):
     sys.exit(subprocess.call(cmd))
 
 
+@main.group()
+def bench() -> None:
+    """Benchmarks against a running server, as `vllm bench`."""
+
+
+bench.add_command(bench_serve_command)  # `workbench bench serve`; its options live in workbench.bench.serve_cli
 main.add_command(kv_calc_command)  # `workbench kv-calc`; its options live in workbench.kvcalc_cli
 main.add_command(simulate_command)  # `workbench simulate`; its options live in workbench.sim.cli
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,9 @@ class PromptRecord:
         id: identifier, unique within the file it came from.
         max_tokens: cap on generated tokens requested for this prompt, if the file gives one.
         output_len: the true output length in tokens when a trace records it, else None.
+        reply: ShareGPT only: the ``"gpt"`` turn that answers the prompt, if the conversation has one
+            (``workbench bench serve`` tokenises it for the output length, as vLLM's ShareGPT
+            sampler does); not compared or shown.
     """
 
     prompt: str | list[dict[str, str]]
@@ -66,6 +69,7 @@ class PromptRecord:
     id: str
     max_tokens: int | None = None
     output_len: int | None = None
+    reply: str | None = field(default=None, compare=False, repr=False)
 
 
 def default_prompts(num_prompts: int | None = None) -> list[PromptRecord]:
@@ -134,8 +138,8 @@ def load_prompts(path: str | os.PathLike[str], num_prompts: int | None = None) -
     ShareGPT (the format of ``ShareGPT_V3_unfiltered_cleaned_split.json``, used by vLLM's
     ``benchmarks/benchmark_serving.py``): a JSON list of conversations. The first turn whose
     ``"from"`` is ``"human"`` (or ``"user"``) becomes the prompt, with ``chat=True``; later
-    turns, including the ``"gpt"`` reply, are dropped, because output lengths would need a
-    tokenizer. Conversations with no human turn or only whitespace in it are skipped and
+    turns are dropped, except the ``"gpt"`` reply right after it, kept as ``reply`` (its length
+    in tokens needs a tokenizer, which this module does not use). Conversations with no human turn or only whitespace in it are skipped and
     counted in a log warning rather than raising. The record id is the conversation's
     ``"id"``, or ``"sharegpt-<index>"`` if it has none.
 
@@ -211,7 +215,9 @@ def _load_sharegpt(file: Path, text: str, num_prompts: int | None) -> list[Promp
                 "or write one prompt object per line as JSON Lines instead"
             )
         prompt = None
-        for turn_no, turn in enumerate(entry["conversations"], 1):
+        reply = None
+        turns = entry["conversations"]
+        for turn_no, turn in enumerate(turns, 1):
             if not isinstance(turn, dict) or not isinstance(turn.get("from"), str):
                 raise ValueError(  # noqa: TRY004 - bad file content, not a bad argument
                     f'{where} turn {turn_no}: expected {{"from": str, "value": str}}, got '
@@ -225,13 +231,16 @@ def _load_sharegpt(file: Path, text: str, num_prompts: int | None) -> list[Promp
                         'put the human message text in "value"'
                     )
                 prompt = value
+                after = turns[turn_no] if turn_no < len(turns) else None
+                if isinstance(after, dict) and after.get("from") == "gpt" and isinstance(after.get("value"), str):
+                    reply = after["value"]
                 break
         if prompt is None or not prompt.strip():
             skipped += 1
             continue
         raw_id = entry.get("id")
         rec_id = str(raw_id) if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else None
-        records.append(PromptRecord(prompt=prompt, chat=True, id=rec_id or f"sharegpt-{index}"))
+        records.append(PromptRecord(prompt=prompt, chat=True, id=rec_id or f"sharegpt-{index}", reply=reply))
     if skipped:
         logger.warning(
             "%s: skipped %d ShareGPT conversation(s) with no human turn or empty text",

@@ -1,0 +1,565 @@
+"""``workbench bench serve``: the load generator modelled on ``vllm bench serve``.
+
+Unit tests (arrival process, metrics, flag checks) need no server. The client tests run against a
+minimal OpenAI-style streaming server defined here (a test double for the client's parsing and
+failure handling); the end-to-end test runs the real ``workbench serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from fastapi import Request  # module level: the fake server's handlers annotate with it
+
+from workbench.bench import serve as bs
+from workbench.bench.serve import RequestRecord, SampleRequest
+
+# ---------------------------------------------------------------------------------------------
+# arrival process
+
+
+def test_gaps_mean_and_variance_follow_the_gamma_distribution():
+    rng = np.random.default_rng(0)
+    rate = 4.0
+    for burstiness in (0.25, 1.0, 4.0):
+        gaps = bs.sample_interarrival_gaps(200_000, rate, burstiness, rng)
+        # gamma(shape=b, scale=1/(rate*b)): mean 1/rate, variance 1/(rate^2 * b)
+        assert gaps.mean() == pytest.approx(1 / rate, rel=0.02)
+        assert gaps.var() == pytest.approx(1 / (rate**2 * burstiness), rel=0.05)
+
+
+def test_burstiness_one_is_poisson_and_lower_is_burstier():
+    rng = np.random.default_rng(1)
+    cv = {b: (g.std() / g.mean()) for b in (0.5, 1.0, 2.0) for g in [bs.sample_interarrival_gaps(100_000, 2.0, b, rng)]}
+    assert cv[1.0] == pytest.approx(1.0, rel=0.03)  # exponential gaps: coefficient of variation 1
+    assert cv[0.5] > cv[1.0] > cv[2.0]
+
+
+def test_arrival_offsets_are_seeded_sorted_and_span_n_over_rate():
+    a = bs.request_arrival_offsets(500, 10.0, 1.0, seed=7)
+    b = bs.request_arrival_offsets(500, 10.0, 1.0, seed=7)
+    c = bs.request_arrival_offsets(500, 10.0, 1.0, seed=8)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert np.all(np.diff(a) >= 0) and a[0] > 0
+    # vLLM rescales the cumulative delays so the last request goes out at n / rate
+    assert a[-1] == pytest.approx(500 / 10.0)
+
+
+def test_rate_inf_sends_everything_at_once():
+    assert np.array_equal(bs.request_arrival_offsets(5, math.inf, 1.0, seed=0), np.zeros(5))
+    assert np.array_equal(bs.request_arrival_offsets(5, math.inf, 0.3, seed=0), np.zeros(5))
+
+
+def test_infinite_burstiness_is_a_constant_rate():
+    offsets = bs.request_arrival_offsets(4, 2.0, math.inf, seed=0)
+    assert np.allclose(offsets, [0.5, 1.0, 1.5, 2.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics on synthetic request records
+
+
+def _rec(ttft, latency, output_tokens, itl=None, prompt_len=10, start=0.0):
+    if itl is None:
+        itl = [(latency - ttft) / (output_tokens - 1)] * (output_tokens - 1) if output_tokens > 1 else []
+    return RequestRecord(
+        prompt_len=prompt_len,
+        expected_output_len=output_tokens,
+        success=True,
+        ttft=ttft,
+        itl=itl,
+        latency=latency,
+        output_tokens=output_tokens,
+        generated_text="x" * output_tokens,
+        start_time=start,
+    )
+
+
+def _failed(prompt_len=10):
+    return RequestRecord(prompt_len=prompt_len, expected_output_len=5, success=False, error="HTTP 400: nope")
+
+
+def test_metrics_on_synthetic_records():
+    recs = [_rec(0.1, 1.1, 11), _rec(0.2, 2.2, 21), _rec(0.3, 0.3, 1), _failed()]
+    m = bs.calculate_metrics(
+        recs,
+        duration_s=2.0,
+        percentile_metrics=["ttft", "tpot", "itl", "e2el"],
+        metric_percentiles=[50, 99, 99.9],
+        goodput=None,
+    )
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["total_input_tokens"] == 30  # failed requests' prompts are not counted
+    assert m["total_output_tokens"] == 33
+    assert m["output_lens"] == [11, 21, 1, 0]
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_throughput"] == pytest.approx(16.5)
+    assert m["total_token_throughput"] == pytest.approx(31.5)
+    assert m["request_goodput"] is None
+    assert m["mean_ttft_ms"] == pytest.approx(200.0)
+    assert m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["std_ttft_ms"] == pytest.approx(np.std([100, 200, 300]))
+    assert m["p99_ttft_ms"] == pytest.approx(np.percentile([100, 200, 300], 99))
+    assert m["p99.9_ttft_ms"] == pytest.approx(np.percentile([100, 200, 300], 99.9))
+    assert m["p50_e2el_ms"] == pytest.approx(1100.0)
+    # TPOT = (e2el - ttft) / (output_tokens - 1); a 1-token request has none
+    assert m["mean_tpot_ms"] == pytest.approx(100.0)
+    assert m["median_itl_ms"] == pytest.approx(100.0)
+    assert len(m["ttfts"]) == 4 and m["ttfts"][3] is None
+    assert m["errors"] == ["", "", "", "HTTP 400: nope"]
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    recs = [_rec(0.1, 1.1, 11), _rec(0.2, 2.2, 21), _rec(0.3, 0.3, 1), _failed()]
+    kw = dict(duration_s=2.0, percentile_metrics=["ttft"], metric_percentiles=[99])
+    assert bs.calculate_metrics(recs, goodput={"ttft": 250}, **kw)["request_goodput"] == pytest.approx(1.0)
+    # the 1-token request has TPOT 0 for goodput (as vLLM), so it meets any TPOT SLO
+    assert bs.calculate_metrics(recs, goodput={"tpot": 50}, **kw)["request_goodput"] == pytest.approx(0.5)
+    both = bs.calculate_metrics(recs, goodput={"ttft": 250, "e2el": 2000}, **kw)
+    assert both["request_goodput"] == pytest.approx(0.5)
+
+
+def test_metrics_with_no_successful_request_are_none_not_zero():
+    m = bs.calculate_metrics([_failed(), _failed()], 1.0, ["ttft", "tpot"], [99], None)
+    assert m["completed"] == 0 and m["failed"] == 2
+    assert m["mean_ttft_ms"] is None and m["p99_tpot_ms"] is None
+
+
+def test_max_concurrent_requests_is_the_peak_overlap_of_requests():
+    recs = [_rec(0.1, 1.0, 2, start=0.0), _rec(0.1, 1.0, 2, start=0.5), _rec(0.1, 1.0, 2, start=1.0)]
+    m = bs.calculate_metrics(recs, 2.0, ["ttft"], [99], None)
+    assert m["max_concurrent_requests"] == 2  # [0,1) and [0.5,1.5) overlap; [1,2) starts when the first ends
+
+
+# ---------------------------------------------------------------------------------------------
+# flag checks
+
+
+def test_parse_goodput():
+    assert bs.parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
+    assert bs.parse_goodput(["ttft:500 e2el:2000"]) == {"ttft": 500.0, "e2el": 2000.0}
+    with pytest.raises(ValueError, match=r"itl.*ttft, tpot, e2el"):
+        bs.parse_goodput(["itl:5"])
+    with pytest.raises(ValueError, match=r"'ttft=5'.*NAME:MILLISECONDS"):
+        bs.parse_goodput(["ttft=5"])
+    with pytest.raises(ValueError, match="non-negative"):
+        bs.parse_goodput(["ttft:-1"])
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"request_rate": 0}, r"--request-rate 0.*inf"),
+        ({"burstiness": 0}, r"--burstiness 0"),
+        ({"max_concurrency": 0}, r"--max-concurrency 0"),
+        ({"num_prompts": 0}, r"--num-prompts 0"),
+        ({"percentile_metrics": "ttft,foo"}, r"'foo'.*ttft, tpot, itl, e2el"),
+        ({"metric_percentiles": "99,101"}, r"101"),
+        ({"dataset_name": "sharegpt"}, r"--dataset-path"),
+        ({"dataset_name": "random", "dataset_path": "x.json"}, r"--dataset-path"),
+        ({"dataset_name": "nope"}, r"'nope'"),
+        ({"endpoint": "/v1/embeddings"}, r"/v1/embeddings.*/v1/completions"),
+        ({"random_range_ratio": 1.0}, r"--random-range-ratio 1.0"),
+    ],
+)
+def test_bad_arguments_name_the_value_and_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        bs.run_bench_serve(base_url="http://127.0.0.1:9", model="m", disable_tqdm=True, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# a minimal OpenAI-style streaming server (test double for the client)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeServer:
+    """An OpenAI-compatible streaming server: one ``"t "`` chunk per token with ``delay_s`` between
+    chunks, a usage chunk, then ``[DONE]``. Prompts holding FAIL get HTTP 400; prompts holding
+    MIDERR get an error object in the stream. It counts requests in flight."""
+
+    def __init__(self, delay_s: float = 0.005, usage: bool = True):
+        import uvicorn
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        self.in_flight = 0
+        self.peak = 0
+        self.bodies: list[dict] = []
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake-model", "object": "model", "root": "fake-model"}]}
+
+        async def stream(body: dict, chat: bool):
+            n = int(body.get("max_tokens") or 16)
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+            try:
+                prompt = json.dumps(body.get("messages") if chat else body.get("prompt"))
+                for i in range(n):
+                    await asyncio.sleep(delay_s)
+                    if "MIDERR" in prompt and i == 1:
+                        yield 'data: {"error": {"message": "engine died", "type": "InternalError", "code": 500}}\n\n'
+                        return
+                    choice = {"index": 0, "delta": {"content": "t "}} if chat else {"index": 0, "text": "t "}
+                    yield f"data: {json.dumps({'id': 'x', 'choices': [choice]})}\n\n"
+                done = {"index": 0, "finish_reason": "length"}
+                done.update({"delta": {}} if chat else {"text": ""})
+                yield f"data: {json.dumps({'id': 'x', 'choices': [done]})}\n\n"
+                if usage:
+                    u = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
+                    yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': u})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                self.in_flight -= 1
+
+        async def handle(request: Request, chat: bool):
+            body = await request.json()
+            self.bodies.append(body)
+            if "FAIL" in json.dumps(body.get("messages") if chat else body.get("prompt")):
+                return JSONResponse({"error": {"message": "bad prompt", "type": "BadRequestError"}}, status_code=400)
+            return StreamingResponse(stream(body, chat), media_type="text/event-stream")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await handle(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await handle(request, chat=True)
+
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _samples(n, output_len=5, fail=(), miderr=()):
+    out = []
+    for i in range(n):
+        word = "FAIL" if i in fail else "MIDERR" if i in miderr else "ok"
+        out.append(SampleRequest(prompt=f"prompt {i} {word}", prompt_len=3, expected_output_len=output_len))
+    return out
+
+
+def test_client_measures_streams_and_counts_failures():
+    with FakeServer(delay_s=0.01) as srv:
+        res = bs.run_bench_serve(
+            base_url=srv.base_url,
+            samples=_samples(6, output_len=5, fail={1}, miderr={4}),
+            disable_tqdm=True,
+            print_result=False,
+            percentile_metrics="ttft,tpot,itl,e2el",
+        )
+    assert res["model_id"] == "fake-model"  # asked GET /v1/models
+    assert res["backend"] == "openai"
+    assert res["completed"] == 4 and res["failed"] == 2
+    assert "HTTP 400" in res["errors"][1] and "bad prompt" in res["errors"][1]
+    assert "engine died" in res["errors"][4]
+    assert res["output_lens"] == [5, 0, 5, 5, 0, 5]
+    assert res["generated_texts"][0] == "t " * 5
+    assert all(len(res["itls"][i]) == 4 for i in (0, 2, 3, 5))
+    # each chunk is about 10 ms apart
+    assert 5 <= res["median_itl_ms"] < 200
+    assert res["mean_ttft_ms"] >= 5 and res["mean_e2el_ms"] >= res["mean_ttft_ms"]
+    assert res["mean_tpot_ms"] == pytest.approx(res["mean_itl_ms"], rel=0.5)
+    body = srv.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 5 and body["temperature"] == 0.0 and body["model"] == "fake-model"
+
+
+def test_client_without_usage_counts_chunks_and_speaks_chat():
+    with FakeServer(delay_s=0.002, usage=False) as srv:
+        res = bs.run_bench_serve(
+            base_url=srv.base_url,
+            endpoint="/v1/chat/completions",
+            model="fake-model",
+            samples=_samples(3, output_len=4),
+            ignore_eos=True,
+            disable_tqdm=True,
+            print_result=False,
+        )
+    assert res["backend"] == "openai-chat" and res["completed"] == 3
+    assert res["output_lens"] == [4, 4, 4]
+    # sent all at once: they reach the server in any order
+    assert sorted(b["messages"][0]["content"] for b in srv.bodies) == [f"prompt {i} ok" for i in range(3)]
+    assert all(b["messages"][0]["role"] == "user" and b["ignore_eos"] is True for b in srv.bodies)
+
+
+def test_max_concurrency_is_respected():
+    with FakeServer(delay_s=0.01) as srv:
+        res = bs.run_bench_serve(
+            base_url=srv.base_url,
+            samples=_samples(12, output_len=4),
+            max_concurrency=3,
+            disable_tqdm=True,
+            print_result=False,
+        )
+    assert res["completed"] == 12
+    assert srv.peak <= 3 and res["max_concurrent_requests"] <= 3
+    assert res["max_concurrency"] == 3
+
+
+def test_request_rate_spaces_the_requests():
+    with FakeServer(delay_s=0.001) as srv:
+        res = bs.run_bench_serve(
+            base_url=srv.base_url,
+            samples=_samples(4, output_len=2),
+            request_rate=10.0,
+            seed=3,
+            disable_tqdm=True,
+            print_result=False,
+        )
+    # the last request goes out at n / rate = 0.4 s
+    assert res["duration"] >= 0.4 and res["request_rate"] == 10.0
+
+
+def test_result_keys_and_console_block(capsys):
+    with FakeServer() as srv:
+        res = bs.run_bench_serve(
+            base_url=srv.base_url,
+            samples=_samples(4, output_len=3),
+            goodput={"ttft": 10_000},
+            metric_percentiles="50,99",
+            disable_tqdm=True,
+        )
+    out = capsys.readouterr().out
+    for key in (
+        "date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness",
+        "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+        "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+        "max_concurrent_requests", "input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors",
+    ):  # fmt: skip
+        assert key in res, key
+    for metric in ("ttft", "tpot", "itl"):
+        for stat in ("mean", "median", "std", "p50", "p99"):
+            assert f"{stat}_{metric}_ms" in res
+    assert "mean_e2el_ms" not in res  # not in --percentile-metrics
+    assert res["request_goodput"] == pytest.approx(res["request_throughput"])
+    assert res["request_rate"] == "inf"
+    json.dumps(res)  # serialisable as is
+    assert "Serving Benchmark Result" in out
+    for line in (
+        "Successful requests:",
+        "Benchmark duration (s):",
+        "Request goodput (req/s):",
+        "P99 TTFT (ms):",
+        "Median TPOT (ms):",
+    ):
+        assert line in out
+
+
+def test_runs_inside_a_running_event_loop():
+    """A notebook cell runs inside a running loop; run_bench_serve then runs in a thread."""
+
+    async def cell(url):
+        return bs.run_bench_serve(
+            base_url=url, samples=_samples(2, output_len=2), disable_tqdm=True, print_result=False
+        )
+
+    with FakeServer() as srv:
+        res = asyncio.run(cell(srv.base_url))
+    assert res["completed"] == 2
+
+
+def test_connection_refused_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:\d+/v1/models.*--model"):
+        bs.run_bench_serve(base_url=f"http://127.0.0.1:{_free_port()}", samples=_samples(1), disable_tqdm=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# datasets that need the tokenizer (the bundled model's; nothing is downloaded)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return bs.load_tokenizer(None)[0]
+
+
+def test_random_prompts_hit_the_input_length(tokenizer):
+    samples = bs.build_samples(
+        "random", tokenizer, num_prompts=8, seed=0, random_input_len=64, random_output_len=16, random_range_ratio=0.25
+    )
+    assert len(samples) == 8
+    for s in samples:
+        assert 48 <= s.prompt_len <= 80
+        assert len(tokenizer(s.prompt, add_special_tokens=False).input_ids) == s.prompt_len
+        assert 12 <= s.expected_output_len <= 20
+    again = bs.build_samples(
+        "random", tokenizer, num_prompts=8, seed=0, random_input_len=64, random_output_len=16, random_range_ratio=0.25
+    )
+    assert [s.prompt for s in again] == [s.prompt for s in samples]
+
+
+def test_prefix_repetition_prompts_share_prefixes(tokenizer):
+    samples = bs.build_samples(
+        "prefix-repetition",
+        tokenizer,
+        num_prompts=6,
+        seed=0,
+        prefix_repetition_prefix_len=32,
+        prefix_repetition_suffix_len=8,
+        prefix_repetition_num_prefixes=2,
+        prefix_repetition_output_len=5,
+    )
+    assert len(samples) == 6 and all(s.expected_output_len == 5 for s in samples)
+    heads = {s.prompt[:60] for s in samples}
+    assert len(heads) == 2
+    assert all(38 <= s.prompt_len <= 42 for s in samples)
+
+
+def test_jsonl_dataset_uses_output_len_of_the_records(tokenizer, tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text(
+        '{"prompt": "Hello there", "output_len": 7}\n{"prompt": "Tell me more", "max_tokens": 3}\n{"text": "x"}\n'
+    )
+    samples = bs.build_samples("jsonl", tokenizer, num_prompts=3, seed=0, dataset_path=str(p))
+    assert [s.expected_output_len for s in samples] == [7, 3, bs.DEFAULT_JSONL_OUTPUT_LEN]
+    assert samples[0].prompt_len == len(tokenizer("Hello there", add_special_tokens=False).input_ids)
+
+
+def test_sharegpt_output_len_comes_from_the_reply(tokenizer, tmp_path):
+    convs = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"from": "human", "value": f"question number {i} " * 3},
+                {"from": "gpt", "value": "an answer " * (i + 2)},
+            ],
+        }
+        for i in range(5)
+    ]
+    p = tmp_path / "sg.json"
+    p.write_text(json.dumps(convs))
+    samples = bs.build_samples("sharegpt", tokenizer, num_prompts=5, seed=0, dataset_path=str(p))
+    assert len(samples) == 5
+    replies = {len(tokenizer("an answer " * (i + 2), add_special_tokens=False).input_ids) for i in range(5)}
+    assert {s.expected_output_len for s in samples} == replies
+    fixed = bs.build_samples("sharegpt", tokenizer, num_prompts=5, seed=0, dataset_path=str(p), output_len=9)
+    assert {s.expected_output_len for s in fixed} == {9}
+    p.write_text(json.dumps([{"id": "q", "conversations": [{"from": "human", "value": "no answer here"}]}]))
+    with pytest.raises(ValueError, match="--output-len"):
+        bs.build_samples("sharegpt", tokenizer, num_prompts=1, seed=0, dataset_path=str(p))
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+
+
+def test_cli_bench_serve_saves_the_result(tmp_path):
+    from workbench.cli import main
+
+    with FakeServer() as srv:
+        res = CliRunner().invoke(
+            main,
+            [
+                "bench", "serve", "--base-url", srv.base_url, "--dataset-name", "random", "--random-input-len", "16",
+                "--random-output-len", "4", "--num-prompts", "5", "--request-rate", "inf", "--max-concurrency", "2",
+                "--goodput", "ttft:5000", "tpot:1000", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "90,99",
+                "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json", "--disable-tqdm",
+            ],
+            catch_exceptions=False,
+        )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "Serving Benchmark Result" in res.output and "P90 E2EL (ms):" in res.output
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["completed"] == 5 and saved["num_prompts"] == 5 and saved["max_concurrency"] == 2
+    assert saved["request_goodput"] is not None and "p90_e2el_ms" in saved and "mean_itl_ms" not in saved
+    assert saved["output_lens"] == [4] * 5
+
+
+def test_cli_bad_flag_is_a_clear_error():
+    from workbench.cli import main
+
+    res = CliRunner().invoke(main, ["bench", "serve", "--request-rate", "0", "--model", "m"])
+    assert res.exit_code != 0 and "--request-rate 0" in res.output
+    res = CliRunner().invoke(main, ["bench", "serve", "--goodput", "ttft:5", "itl:3", "--model", "m"])
+    assert res.exit_code != 0 and "itl" in res.output
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end against the real `workbench serve`
+
+
+def _server_available() -> bool:
+    from workbench.cli import main
+
+    return "serve" in main.commands
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _server_available(), reason="the `workbench serve` command (the HTTP server) is not on this branch yet"
+)
+def test_end_to_end_against_workbench_serve():
+    import httpx
+    from browser_support import stop_process
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--max-model-len", "512", "--max-num-seqs", "8"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"workbench serve exited: {proc.stdout.read()}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "workbench serve did not become healthy in 300 s"
+            time.sleep(0.5)
+        res = bs.run_bench_serve(
+            base_url=f"http://127.0.0.1:{port}",
+            dataset_name="random",
+            random_input_len=32,
+            random_output_len=8,
+            num_prompts=16,
+            max_concurrency=8,
+            seed=0,
+            disable_tqdm=True,
+            print_result=False,
+            percentile_metrics="ttft,tpot,itl,e2el",
+        )
+    finally:
+        stop_process(proc)
+    assert res["completed"] == 16, res["errors"]
+    assert res["failed"] == 0
+    assert res["output_lens"] == [8] * 16  # random prompts ignore EOS, as in vLLM
+    assert res["total_input_tokens"] == sum(res["input_lens"])
+    assert all(30 <= n <= 34 for n in res["input_lens"])  # 32 tokens, up to decode/re-encode merges
+    assert 0 < res["mean_ttft_ms"] <= res["mean_e2el_ms"]
+    assert res["mean_tpot_ms"] > 0 and res["median_itl_ms"] > 0
+    assert 1 <= res["max_concurrent_requests"] <= 8
