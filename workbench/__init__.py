@@ -5,9 +5,19 @@ from workbench import LLM, SamplingParams
 
 from workbench.config import EngineConfig
 from workbench.engine import LLMEngine
+from workbench.entrypoints.async_llm import AsyncLLM, AsyncLLMEngine
 from workbench.entrypoints.llm import LLM
 from workbench.outputs import CompletionOutput, RequestOutput
 from workbench.sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "AsyncLLMEngine",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -58,6 +59,9 @@ class AsyncLLM:
         recorder: receives every StepStats and request record (default: one that keeps the last
             ``history`` of each, so that a long-running server's memory stays flat).
         history: steps and request records kept by the default recorder.
+        check_invariants: check the KV manager's invariants after every step (slow; the soak test
+            uses it); default: environment variable ``WORKBENCH_CHECK_INVARIANTS=1``. A violation stops
+            the engine loop (``/health`` then answers 503).
         **engine_args: any :class:`EngineConfig` field, with vLLM's names.
 
     Raises:
@@ -65,7 +69,12 @@ class AsyncLLM:
     """
 
     def __init__(
-        self, model: str | None = None, recorder: Recorder | None = None, history: int = 10_000, **engine_args
+        self,
+        model: str | None = None,
+        recorder: Recorder | None = None,
+        history: int = 10_000,
+        check_invariants: bool | None = None,
+        **engine_args,
     ):
         if model is not None:
             engine_args["model"] = model
@@ -73,6 +82,9 @@ class AsyncLLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; see workbench.EngineConfig")
         self.engine = LLMEngine(EngineConfig(**engine_args), recorder=recorder or Recorder(history=history))
+        if check_invariants is None:
+            check_invariants = os.environ.get("WORKBENCH_CHECK_INVARIANTS") == "1"
+        self.check_invariants = check_invariants
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -152,6 +164,11 @@ class AsyncLLM:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self) -> None:
+        """Abort every request with a caller (thread-safe); each stream ends with ``finish_reason="abort"``."""
+        for rid in list(self._streams):
+            self.abort_nowait(rid)
+
     async def abort(self, request_id: str) -> None:
         """Abort a request, as vLLM's ``AsyncLLM.abort``."""
         self.abort_nowait(request_id)
@@ -197,6 +214,8 @@ class AsyncLLM:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.put(out)
+                if self.check_invariants:
+                    eng.kv.check_invariants()
             for rid in list(eng.groups):  # shutting down: every request ends as aborted
                 eng.abort(rid)
             while eng.has_unfinished_requests():

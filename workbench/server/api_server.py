@@ -21,6 +21,8 @@ import asyncio
 import json
 import logging
 import re
+import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -471,6 +473,28 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
     return app
 
 
+class _GracefulServer:
+    """uvicorn's server, plus the abort of requests still running ``grace`` seconds after the signal
+    to stop: their streams then end with ``finish_reason="abort"`` and ``[DONE]`` instead of being
+    cut by uvicorn's task cancellation."""
+
+    def __new__(cls, config, llm: AsyncLLM, grace: float):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            timer: threading.Timer | None = None
+
+            def handle_exit(self, sig, frame) -> None:
+                super().handle_exit(sig, frame)
+                if self.timer is None:
+                    log.info("shutting down: in-flight requests have %.0f s to finish, then are aborted", grace)
+                    self.timer = threading.Timer(grace, llm.abort_all)
+                    self.timer.daemon = True
+                    self.timer.start()
+
+        return Server(config)
+
+
 def run_server(
     engine_args: dict,
     host: str = "127.0.0.1",
@@ -504,10 +528,15 @@ def run_server(
             host=host,
             port=port,
             log_level=log_level,
-            timeout_graceful_shutdown=graceful_shutdown_timeout,
+            timeout_graceful_shutdown=graceful_shutdown_timeout + 30,  # (a backstop: we abort at the timeout)
             access_log=log_level == "debug",
         )
-        uvicorn.Server(config).run()
+        # uvicorn handles SIGINT / SIGTERM while it runs (graceful shutdown, then our lifespan's
+        # llm.shutdown()) and re-raises the signal afterwards, to the handlers found before: these
+        # no-ops, so that the process ends normally (exit 0) after a clean shutdown
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        _GracefulServer(config, llm, graceful_shutdown_timeout).run()
     finally:
         llm.shutdown()
 

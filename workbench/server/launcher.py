@@ -1,0 +1,133 @@
+"""Start ``workbench serve`` in a child process on loopback, wait until it answers, stop it by PID.
+
+Used by the tests, the benchmarks and the labs (a notebook cannot run a blocking server itself)::
+
+    from workbench.server.launcher import ServerProcess
+    with ServerProcess(max_model_len=1024) as srv:       # a free port on 127.0.0.1
+        print(srv.base_url)                              # http://127.0.0.1:PORT
+        ...                                              # openai.OpenAI(base_url=srv.base_url + "/v1", api_key="-")
+    # stopped: SIGTERM, then SIGKILL after `stop_timeout` seconds
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``workbench serve`` in a child process.
+
+    Args:
+        port: TCP port on ``host`` (default: a free one).
+        host: the address to bind (default loopback only).
+        startup_timeout: seconds to wait for ``GET /health`` to answer 200.
+        stop_timeout: seconds between SIGTERM and SIGKILL when stopping.
+        threads: ``OMP_NUM_THREADS`` of the server (default: inherited).
+        env: more environment variables of the server (e.g. ``{"WORKBENCH_CHECK_INVARIANTS": "1"}``).
+        extra_args: more command-line arguments (e.g. ``["-tp", "2"]``).
+        **engine_args: engine arguments as keyword arguments (``max_model_len=512`` becomes
+            ``--max-model-len 512``; ``True`` / ``False`` become ``--x`` / ``--no-x``).
+
+    Raises:
+        RuntimeError: (on start) the process exited, or did not answer within ``startup_timeout``;
+            the message carries the end of its log.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        startup_timeout: float = 180.0,
+        stop_timeout: float = 20.0,
+        threads: int | None = None,
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+        **engine_args,
+    ) -> None:
+        self.host, self.port = host, port or free_port()
+        self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
+        self.args = [sys.executable, "-m", "workbench.cli", "serve", "--host", host, "--port", str(self.port)]
+        for k, v in engine_args.items():
+            flag = "--" + k.replace("_", "-")
+            if isinstance(v, bool):
+                self.args.append(flag if v else "--no-" + flag[2:])
+            elif v is not None:
+                self.args += [flag, str(v)]
+        self.args += list(extra_args or [])
+        self.env = {**os.environ, **(env or {})}
+        if threads is not None:
+            self.env["OMP_NUM_THREADS"] = str(threads)
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> ServerProcess:
+        """Start the process and wait until ``/health`` answers 200."""
+        fd, name = tempfile.mkstemp(prefix="workbench-serve-", suffix=".log")
+        self.log_path = Path(name)
+        with os.fdopen(fd, "w") as log:
+            self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"workbench serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"workbench serve did not answer /health within {self.startup_timeout} s:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines of the server's output."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        """Send ``sig`` (SIGTERM: a graceful shutdown), wait, SIGKILL after ``stop_timeout``; return the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["ServerProcess", "free_port"]
