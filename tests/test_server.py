@@ -227,6 +227,8 @@ def test_raw_bad_bodies_are_400_with_openai_error_shape(server):
         ({"prompt": [-1]}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "x", "priority": 1}, "priority"),  # the server runs scheduling_policy fcfs
+        ({"prompt": "x", "n": 2, "top_p": 0}, "top_p"),
     ]
     for body, param in cases:
         r = httpx.post(url, json=body, timeout=30)

@@ -164,6 +164,10 @@ class AsyncLLM:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def running_ids(self) -> list[str]:
+        """Ids of the requests that have a caller now."""
+        return list(self._streams)
+
     def abort_all(self) -> None:
         """Abort every request with a caller (thread-safe); each stream ends with ``finish_reason="abort"``."""
         for rid in list(self._streams):

@@ -56,9 +56,20 @@ class OpenAIServing:
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ checks
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
-            raise APIError(f"The model `{model}` does not exist; this server serves `{self.name}`.", 404, "model")
+    def check_request(self, req) -> None:
+        """The model name (404 when unknown), the priority and a caller's request id (400)."""
+        if req.model is not None and req.model != self.name:
+            raise APIError(f"The model `{req.model}` does not exist; this server serves `{self.name}`.", 404, "model")
+        policy = self.llm.engine.config.scheduling_policy
+        if getattr(req, "priority", 0) and policy != "priority":
+            raise APIError(
+                f"priority={req.priority} needs a server started with --scheduling-policy priority (this one: {policy})",
+                400,
+                "priority",
+            )
+        rid = getattr(req, "request_id", None)
+        if rid is not None and any(k == rid or k.startswith(rid + "-") for k in self.llm.running_ids()):
+            raise APIError(f"request_id {rid!r} is already running; use a unique id", 400, "request_id")
 
     def tokenize(self, prompt, param: str) -> tuple[list[int], str | None]:
         try:
@@ -263,6 +274,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
             msg += f" (got {json.dumps(got, default=str)})"
         return JSONResponse(APIError(msg, 400, field).body(), status_code=400)
 
+    @app.exception_handler(ValueError)
+    async def _value_error(request, exc: ValueError):  # the engine refused a request (checked before, in the main)
+        return JSONResponse(APIError(str(exc), 400).body(), status_code=400)
+
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc):
         return JSONResponse(APIError(str(exc), 503).body(), status_code=503)
@@ -297,7 +312,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        serving.check_model(req.model)
+        serving.check_request(req)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' and 'messages'", 400, "prompt")
         if req.messages is not None:
@@ -311,7 +326,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        serving.check_model(req.model)
+        serving.check_request(req)
         vocab = llm.engine.hf_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -320,7 +335,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):
-        serving.check_model(req.model)
+        serving.check_request(req)
         if req.echo:
             raise APIError("echo=true is not supported; leave it out (the prompt is in your request)", 400, "echo")
         if req.suffix is not None:
@@ -378,6 +393,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
                         yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_out)})
                 except EngineDeadError as e:
                     yield _sse(APIError(str(e), 503).body())
+                except ValueError as e:  # refused by the engine after the stream began (rare: checked before)
+                    yield _sse(APIError(str(e), 400).body())
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -401,7 +418,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: Request):
-        serving.check_model(req.model)
+        serving.check_request(req)
         if req.tools:
             raise APIError("tools are not supported by this server; leave 'tools' out", 400, "tools")
         if req.top_logprobs is not None and not req.logprobs:
@@ -451,6 +468,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
                         yield _sse({**chunk, "choices": [], "usage": _usage(n_prompt, n_out)})
                 except EngineDeadError as e:
                     yield _sse(APIError(str(e), 503).body())
+                except ValueError as e:  # refused by the engine after the stream began (rare: checked before)
+                    yield _sse(APIError(str(e), 400).body())
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
