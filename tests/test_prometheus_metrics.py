@@ -10,8 +10,8 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from workbench.metrics.prometheus import FINISH_REASONS, PrometheusSink  # noqa: E402
 from workbench.metrics.stats import RequestRecord, StepStats  # noqa: E402
-from workbench.server.metrics import FINISH_REASONS, PrometheusSink  # noqa: E402
 
 #: family name (as the parser reports it: counters without ``_total``) -> type
 VLLM = {

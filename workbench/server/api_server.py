@@ -4,7 +4,7 @@ in the shape of vLLM's ``vllm serve`` (vllm/entrypoints/openai/api_server.py).
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
 server-sent events ending in ``data: [DONE]``, and ``stream_options.include_usage``),
 ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``
-(Prometheus: :class:`~workbench.server.metrics.PrometheusSink`), ``GET /version``.
+(Prometheus: :class:`~workbench.metrics.prometheus.PrometheusSink`), ``GET /version``.
 
 Bad input is answered before anything is queued, with OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``: 400 for an invalid field (naming it and its
@@ -33,9 +33,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from workbench.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from workbench.metrics.prometheus import PrometheusSink
 from workbench.outputs import RequestOutput
 from workbench.sampling_params import RequestOutputKind, SamplingParams
-from workbench.server.metrics import PrometheusSink
 from workbench.server.protocol import (
     APIError,
     ChatCompletionRequest,

@@ -1,4 +1,4 @@
-"""The Prometheus exposition of ``GET /metrics``: a :class:`~workbench.metrics.Recorder` sink.
+"""The Prometheus exposition of ``GET /metrics`` (workbench serve): a :class:`~workbench.metrics.Recorder` sink.
 
 :class:`PrometheusSink` turns every :class:`~workbench.metrics.StepStats` and every finished
 request's :class:`~workbench.metrics.RequestRecord` into Prometheus metrics in a registry of its
