@@ -67,6 +67,8 @@ class OpenAIServing:
                 400,
                 "priority",
             )
+        if getattr(req, "stream_options", None) is not None and not req.stream:
+            raise APIError("stream_options can only be given with stream=true", 400, "stream_options")
         rid = getattr(req, "request_id", None)
         if rid is not None and any(k == rid or k.startswith(rid + "-") for k in self.llm.running_ids()):
             raise APIError(f"request_id {rid!r} is already running; use a unique id", 400, "request_id")
