@@ -234,8 +234,14 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
 @click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
+@click.option(
+    "--api-key",
+    envvar="VLLM_API_KEY",
+    default=None,
+    help="require 'Authorization: Bearer KEY' on /v1 requests [env: VLLM_API_KEY]",
+)
 @engine_options
-def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, log_level, **kw):
+def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, log_level, api_key, **kw):
     """Serve the model over HTTP, as `vllm serve`: POST /v1/completions and /v1/chat/completions
     (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize
     and /detokenize. MODEL_TAG, when given, is the model (as --model).
@@ -243,7 +249,7 @@ def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, l
     \b
     workbench serve --port 8000 --max-model-len 2048
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
-         -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
+         -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
     """
     from workbench.server.api_server import run_server
 
@@ -251,7 +257,7 @@ def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, l
     if model_tag is not None:
         args["model"] = model_tag
     try:
-        run_server(args, host, port, served_model_name, log_level, graceful_shutdown_timeout)
+        run_server(args, host, port, served_model_name, log_level, graceful_shutdown_timeout, api_key)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
 

@@ -144,6 +144,7 @@ def _number(name: str, value, lo: float, hi: float | None, rule: str, open_low: 
     """Raise ``ValueError`` unless ``value`` is a finite real number (not a ``bool``) within the bounds."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name}={value!r} must be a number (got {type(value).__name__}); it {rule}")
-    ok = math.isfinite(value) and (value > lo if open_low else value >= lo) and (hi is None or value <= hi)
-    if not ok:
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} is not a finite number; it {rule}")
+    if not ((value > lo if open_low else value >= lo) and (hi is None or value <= hi)):
         raise ValueError(f"{name}={value!r} {rule}")

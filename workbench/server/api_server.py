@@ -18,6 +18,7 @@ are stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -31,6 +32,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workbench.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from workbench.metrics.prometheus import PrometheusSink
@@ -67,6 +69,16 @@ class OpenAIServing:
                 400,
                 "priority",
             )
+        n, cap = getattr(req, "n", 1), self.llm.engine.config.max_num_seqs
+        if isinstance(n, int) and n > cap:
+            raise APIError(
+                f"n={n} exceeds max_num_seqs={cap}: a request's n sequences run side by side; use n <= {cap} "
+                "(or start the server with a larger --max-num-seqs)",
+                400,
+                "n",
+            )
+        if getattr(req, "model_extra", None):
+            log.warning("fields ignored (not part of the API): %s", sorted(req.model_extra))
         if getattr(req, "stream_options", None) is not None and not req.stream:
             raise APIError("stream_options can only be given with stream=true", 400, "stream_options")
         rid = getattr(req, "request_id", None)
@@ -136,9 +148,9 @@ class OpenAIServing:
             raise APIError(str(e), 400, m.group(1) if m else None) from None
 
     # ------------------------------------------------------------------ running requests
-    async def run_all(self, http: Request, jobs: list[tuple]) -> list[RequestOutput]:
+    async def run_all(self, http: Request, jobs: list[tuple]) -> list[RequestOutput] | None:
         """Run ``jobs`` (``(request_id, tokenized, SamplingParams, priority)``) to completion; abort all
-        of them if the client disconnects first."""
+        of them and return ``None`` if the client disconnects first."""
 
         async def one(rid, tok, sp, prio) -> RequestOutput:
             final = None
@@ -153,7 +165,10 @@ class OpenAIServing:
                 return task.result()
             if await http.is_disconnected():
                 task.cancel()  # each generate's exit aborts its request
-                raise asyncio.CancelledError
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                log.info("client left before its response: %s aborted", ", ".join(j[0] for j in jobs))
+                return None
 
     async def stream_all(self, jobs: list[tuple]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of ``jobs`` as they come, tagged with the job's index; leaving early (a client
@@ -249,8 +264,12 @@ def _chat_messages(messages) -> list[dict]:
     return out
 
 
-def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None = None) -> FastAPI:
-    """The FastAPI application over ``llm`` (see the module docstring for the endpoints)."""
+def build_app(
+    llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None = None, api_key: str | None = None
+) -> FastAPI:
+    """The FastAPI application over ``llm`` (see the module docstring for the endpoints). With
+    ``api_key``, every ``/v1`` request needs the header ``Authorization: Bearer <api_key>`` (401
+    otherwise), as ``vllm serve --api-key``."""
     serving = OpenAIServing(llm, served_model_name)
 
     @asynccontextmanager
@@ -260,6 +279,15 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
 
     app = FastAPI(title="workbench", lifespan=lifespan)
 
+    if api_key:
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.url.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {api_key}":
+                err = APIError("missing or wrong API key: send the header 'Authorization: Bearer <key>'", 401)
+                return JSONResponse(err.body(), status_code=401)
+            return await call_next(request)
+
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -268,13 +296,28 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
     async def _validation_error(request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        field = ".".join(loc) or None
-        got = first.get("input")
-        msg = f"{field or 'body'}: {first.get('msg', 'invalid value')}"
-        if first.get("type") not in ("missing", "json_invalid"):
-            msg += f" (got {json.dumps(got, default=str)})"
+        loc = [x for x in first.get("loc", ()) if x != "body"]
+        kind = first.get("type")
+        if kind == "json_invalid":
+            err = (first.get("ctx") or {}).get("error", "invalid JSON")
+            msg = f"the body is not valid JSON ({err} at character {loc[0] if loc else '?'}); send one JSON object"
+            return JSONResponse(APIError(msg, 400, None).body(), status_code=400)
+        if not loc and kind in ("model_attributes_type", "dict_type"):
+            msg = "the body must be a JSON object sent with the header Content-Type: application/json"
+            return JSONResponse(APIError(msg, 400, None).body(), status_code=400)
+        field = str(loc[0]) if loc else None  # the request's field (not pydantic's union branch)
+        where = field + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))
+        msg = f"{where or 'body'}: {first.get('msg', 'invalid value')}"
+        if kind != "missing":
+            msg += f" (got {json.dumps(first.get('input'), default=str)})"
         return JSONResponse(APIError(msg, 400, field).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        status = exc.status_code if exc.status_code in APIError.TYPES else 400
+        body = APIError(f"{exc.detail}: {request.method} {request.url.path}", status).body()
+        body["error"]["code"] = exc.status_code
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ValueError)
     async def _value_error(request, exc: ValueError):  # the engine refused a request (checked before, in the main)
@@ -372,25 +415,21 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
                         if out.error:
                             yield _sse(APIError(out.error, 400, "prompt").body())
                             continue
-                        choices = []
-                        for c in out.outputs:
+                        for c in out.outputs:  # one choice per chunk
                             idx = i * n + c.index
                             n_out += len(c.token_ids)
                             if not c.text and not c.token_ids and c.finish_reason is None:
                                 continue
                             lp = completion_logprobs(c, offsets.get(idx, 0))
                             offsets[idx] = offsets.get(idx, 0) + len(c.text)
-                            choices.append(
-                                {
-                                    "index": idx,
-                                    "text": c.text,
-                                    "logprobs": lp,
-                                    "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason,
-                                }
-                            )
-                        if choices:
-                            yield _sse({**head, "choices": choices})
+                            choice = {
+                                "index": idx,
+                                "text": c.text,
+                                "logprobs": lp,
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                            }
+                            yield _sse({**head, "choices": [choice]})
                     if usage:
                         yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_out)})
                 except EngineDeadError as e:
@@ -401,6 +440,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
 
             return StreamingResponse(events(), media_type="text/event-stream")
         outs = await serving.run_all(http, jobs)
+        if outs is None:
+            return Response(status_code=499)  # (nginx's "client closed request"; nobody reads it)
         choices, n_out = [], 0
         for i, out in enumerate(outs):
             if out.error:
@@ -425,6 +466,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
             raise APIError("tools are not supported by this server; leave 'tools' out", 400, "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(f"top_logprobs={req.top_logprobs} must be in [0, 20]", 400, "top_logprobs")
         tok = serving.tokenize(_chat_messages(req.messages), "messages")
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -440,32 +483,36 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
 
             async def events():
                 n_out = 0
-                started: set[int] = set()
+                started = False
                 try:
                     async for _, out in serving.stream_all(jobs):
                         if out.error:
                             yield _sse(APIError(out.error, 400, "messages").body())
                             continue
-                        choices = []
-                        for c in out.outputs:
+                        if not started:  # the role first, for every choice (as vLLM)
+                            started = True
+                            for i in range(req.n):
+                                first = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                                yield _sse(
+                                    {
+                                        **chunk,
+                                        "choices": [
+                                            {**first, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                                        ],
+                                    }
+                                )
+                        for c in out.outputs:  # one choice per chunk
                             n_out += len(c.token_ids)
-                            if c.index not in started:
-                                started.add(c.index)
-                                first = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
-                                yield _sse({**chunk, "choices": [{**first, "logprobs": None, "finish_reason": None}]})
                             if not c.text and not c.token_ids and c.finish_reason is None:
                                 continue
-                            choices.append(
-                                {
-                                    "index": c.index,
-                                    "delta": {"content": c.text} if c.text else {},
-                                    "logprobs": chat_logprobs(c, top),
-                                    "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason,
-                                }
-                            )
-                        if choices:
-                            yield _sse({**chunk, "choices": choices})
+                            choice = {
+                                "index": c.index,
+                                "delta": {"content": c.text} if c.text else {},
+                                "logprobs": chat_logprobs(c, top),
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                            }
+                            yield _sse({**chunk, "choices": [choice]})
                     if usage:
                         yield _sse({**chunk, "choices": [], "usage": _usage(n_prompt, n_out)})
                 except EngineDeadError as e:
@@ -475,7 +522,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        (out,) = await serving.run_all(http, jobs)
+        outs = await serving.run_all(http, jobs)
+        if outs is None:
+            return Response(status_code=499)
+        (out,) = outs
         if out.error:
             raise APIError(out.error, 400, "messages")
         choices = [
@@ -523,6 +573,7 @@ def run_server(
     served_model_name: str | None = None,
     log_level: str = "info",
     graceful_shutdown_timeout: float = 5.0,
+    api_key: str | None = None,
 ) -> None:
     """Load the engine, then serve until SIGINT / SIGTERM (blocks).
 
@@ -536,7 +587,7 @@ def run_server(
         name = served_model_name or llm.engine.config.model
         sink = PrometheusSink(name, engine=llm.engine)
         llm.engine.recorder.add_sink(sink)
-        app = build_app(llm, name, sink)
+        app = build_app(llm, name, sink, api_key)
         log.info(
             "serving %s on http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions; "
             "Prometheus: /metrics)",

@@ -97,7 +97,9 @@ class ServerProcess:
                 return self
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"workbench serve did not answer /health within {self.startup_timeout} s:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"workbench serve did not answer /health within {self.startup_timeout} s:\n{self.log_tail()}"
+        )
 
     def healthy(self) -> bool:
         try:

@@ -9,7 +9,7 @@ are refused with a 400 naming them rather than silently dropped.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -23,9 +23,10 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """The sampling fields both endpoints share (OpenAI's, plus vLLM's extras)."""
+    """The sampling fields both endpoints share (OpenAI's, plus vLLM's extras). Unknown fields are
+    kept in ``model_extra``, ignored and logged, as vLLM does."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
     n: StrictInt = 1
@@ -101,13 +102,17 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-ErrorType = Literal["BadRequestError", "NotFoundError", "InternalServerError", "ServiceUnavailableError"]
-
-
 class APIError(Exception):
     """An error the server answers with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    TYPES = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        405: "MethodNotAllowedError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
 
     def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
