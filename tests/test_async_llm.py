@@ -115,3 +115,24 @@ def test_after_shutdown_generate_raises():
 
     with pytest.raises(EngineDeadError):
         asyncio.run(main())
+
+
+def test_health_reports_a_stalled_engine_loop(engine):
+    """A loop that makes no progress (here: a call that blocks the engine thread) turns /health to 503."""
+    import threading
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from workbench.server.api_server import build_app
+
+    app = build_app(engine, "m", health_stall_s=1.0)
+    client = TestClient(app)  # (not entered: the lifespan would shut the shared engine down)
+    assert client.get("/health").status_code == 200
+    blocker = threading.Thread(target=engine.call, args=(lambda e: time.sleep(2.5),), kwargs={"timeout": 10})
+    blocker.start()
+    time.sleep(1.6)
+    assert client.get("/health").status_code == 503
+    blocker.join()
+    time.sleep(0.6)
+    assert client.get("/health").status_code == 200

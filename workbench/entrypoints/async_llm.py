@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import replace
@@ -90,6 +91,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._stopping = False
         self.dead: BaseException | None = None  #: the error that stopped the engine loop, if any
+        self._beat = time.monotonic()  # the engine loop's last sign of life
         self._thread = threading.Thread(target=self._loop, name="workbench-engine", daemon=True)
         self._thread.start()
 
@@ -105,6 +107,11 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.dead is None
+
+    def stalled_s(self) -> float:
+        """Seconds since the engine loop last made progress (a step, or a look at an empty queue);
+        0 while it is idle. A step never takes minutes, so a large value means a wedged engine."""
+        return time.monotonic() - self._beat
 
     async def generate(
         self,
@@ -209,6 +216,7 @@ class AsyncLLM:
         eng = self.engine
         try:
             while not self._stopping:
+                self._beat = time.monotonic()
                 self._drain_inbox()
                 if not eng.has_unfinished_requests():
                     self._wake.wait(0.5)

@@ -265,11 +265,16 @@ def _chat_messages(messages) -> list[dict]:
 
 
 def build_app(
-    llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None = None, api_key: str | None = None
+    llm: AsyncLLM,
+    served_model_name: str,
+    sink: PrometheusSink | None = None,
+    api_key: str | None = None,
+    health_stall_s: float = 300.0,
 ) -> FastAPI:
     """The FastAPI application over ``llm`` (see the module docstring for the endpoints). With
     ``api_key``, every ``/v1`` request needs the header ``Authorization: Bearer <api_key>`` (401
-    otherwise), as ``vllm serve --api-key``."""
+    otherwise), as ``vllm serve --api-key``. ``GET /health`` answers 503 when the engine loop has
+    stopped, or has made no progress for ``health_stall_s`` seconds (one step never takes that long)."""
     serving = OpenAIServing(llm, served_model_name)
 
     @asynccontextmanager
@@ -329,7 +334,13 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if llm.is_running else 503)
+        if not llm.is_running:
+            return Response(status_code=503)
+        stalled = llm.stalled_s()
+        if stalled > health_stall_s:  # alive but wedged: let the orchestrator restart it
+            log.warning("health: the engine loop has made no progress for %.0f s", stalled)
+            return Response(status_code=503)
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version():
