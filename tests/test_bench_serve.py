@@ -10,13 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -511,38 +507,13 @@ def test_cli_bad_flag_is_a_clear_error():
 # end to end against the real `workbench serve`
 
 
-def _server_available() -> bool:
-    from workbench.cli import main
-
-    return "serve" in main.commands
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _server_available(), reason="the `workbench serve` command (the HTTP server) is not on this branch yet"
-)
 def test_end_to_end_against_workbench_serve():
-    import httpx
-    from browser_support import stop_process
+    from workbench.server.launcher import ServerProcess
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--max-model-len", "512", "--max-num-seqs", "8"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"workbench serve exited: {proc.stdout.read()}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "workbench serve did not become healthy in 300 s"
-            time.sleep(0.5)
+    with ServerProcess(startup_timeout=300, max_model_len=512, max_num_seqs=8) as srv:
         res = bs.run_bench_serve(
-            base_url=f"http://127.0.0.1:{port}",
+            base_url=srv.base_url,
             dataset_name="random",
             random_input_len=32,
             random_output_len=8,
@@ -553,8 +524,6 @@ def test_end_to_end_against_workbench_serve():
             print_result=False,
             percentile_metrics="ttft,tpot,itl,e2el",
         )
-    finally:
-        stop_process(proc)
     assert res["completed"] == 16, res["errors"]
     assert res["failed"] == 0
     assert res["output_lens"] == [8] * 16  # random prompts ignore EOS, as in vLLM

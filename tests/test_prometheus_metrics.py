@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import math
 
+import prometheus_client
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-prometheus_client = pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from workbench.metrics.prometheus import FINISH_REASONS, PrometheusSink  # noqa: E402
-from workbench.metrics.stats import RequestRecord, StepStats  # noqa: E402
+from workbench.metrics.prometheus import FINISH_REASONS, PrometheusSink
+from workbench.metrics.stats import RequestRecord, StepStats
 
 #: family name (as the parser reports it: counters without ``_total``) -> type
 VLLM = {
