@@ -46,10 +46,7 @@ import json
 import math
 import os
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.error
@@ -62,77 +59,26 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from offline_throughput import machine_info  # noqa: E402
 
+from workbench.server.launcher import ServerProcess  # noqa: E402
+
 DEFAULT_OUT = REPO / "runs" / "bench" / "serve_overhead.json"
 DEFAULT_JSONL = REPO / "datasets" / "default_prompts.jsonl"
 SERVED_NAME = "bench-model"
 
 
 # --------------------------------------------------------------------------- server process
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def engine_flags(engine_args: dict) -> list[str]:
-    out = []
-    for k, v in engine_args.items():
-        out += [f"--{k.replace('_', '-')}", str(v)]
-    return out
-
-
-def start_server(engine_args: dict, threads: int, port: int, log_path: Path) -> subprocess.Popen:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(threads)  # the server's torch threads = this process's
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [
-        sys.executable,
-        "-m",
-        "workbench.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        SERVED_NAME,
-        "--log-level",
-        "warning",
-        *engine_flags(engine_args),
-    ]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
-    proc._log = log  # type: ignore[attr-defined]
-    proc._cmd = cmd  # type: ignore[attr-defined]
-    return proc
-
-
-def wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 600.0) -> float:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before /health answered; see its log")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return time.perf_counter() - t0
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"/health did not answer within {timeout:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen) -> int | None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    proc._log.close()  # type: ignore[attr-defined]
-    return proc.returncode
+def server_process(engine_args: dict, threads: int, port: int, log_path: Path) -> ServerProcess:
+    """``workbench serve`` with the offline side's engine arguments and torch thread count."""
+    return ServerProcess(
+        port=port or None,
+        threads=threads,
+        startup_timeout=600,
+        stop_timeout=30,
+        env={"PYTHONPATH": str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")},
+        extra_args=["--served-model-name", SERVED_NAME, "--log-level", "warning"],
+        log_path=log_path,
+        **engine_args,
+    )
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -348,17 +294,16 @@ def main(argv=None) -> int:
     ttft_texts = [s.prompt for s in ttft_samples]
     warm = [type(s)(s.prompt, s.prompt_len, 8, s.request_id) for s in samples[:4]]
 
-    port = args.port or free_port()
-    base = f"http://127.0.0.1:{port}"
-    server_log = Path(args.server_log)
+    srv = server_process(engine_args, threads, args.port, Path(args.server_log))
+    base = srv.base_url
     t_start = time.perf_counter()
-    proc = start_server(engine_args, threads, port, server_log)
-    print(f"# server: pid {proc.pid}, {' '.join(proc._cmd[1:])}", flush=True)
+    srv.launch()
+    print(f"# server: pid {srv.pid}, {' '.join(srv.args[1:])}", flush=True)
     offline_runs: list[dict] = []
     server_runs: list[dict] = []
     try:
         llm = LLM(**engine_args)  # loads while the server loads
-        health_s = wait_healthy(proc, base)
+        health_s = srv.wait_ready()
         print(f"# server healthy after {time.perf_counter() - t_start:.1f}s (waited {health_s:.1f}s here)", flush=True)
         prompt_ids = [len(p) for p in (llm.llm_engine.tokenize(t)[0] for t in texts)]
 
@@ -407,7 +352,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
     finally:
-        rc = stop_server(proc)
+        rc = srv.stop()
         print(f"# server stopped (exit code {rc})", flush=True)
 
     # ---------------------------------------------------------------- summary
@@ -487,7 +432,7 @@ def main(argv=None) -> int:
             "engine_args": engine_args,
             "torch_num_threads_both_sides": threads,
             "server_env_OMP_NUM_THREADS": threads,
-            "server_command": proc._cmd,
+            "server_command": srv.args,
             "dataset_name": args.dataset_name,
             "dataset_path": args.dataset_path if args.dataset_name == "jsonl" else None,
             "input_len": args.input_len if args.dataset_name == "random" else None,

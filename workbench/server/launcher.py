@@ -39,7 +39,8 @@ class ServerProcess:
         stop_timeout: seconds between SIGTERM and SIGKILL when stopping.
         threads: ``OMP_NUM_THREADS`` of the server (default: inherited).
         env: more environment variables of the server (e.g. ``{"WORKBENCH_CHECK_INVARIANTS": "1"}``).
-        extra_args: more command-line arguments (e.g. ``["-tp", "2"]``).
+        extra_args: more command-line arguments (e.g. ``["-tp", "3"]``).
+        log_path: where the server's output goes (default: a temporary file).
         **engine_args: engine arguments as keyword arguments (``max_model_len=512`` becomes
             ``--max-model-len 512``; ``True`` / ``False`` become ``--x`` / ``--no-x``).
 
@@ -57,6 +58,7 @@ class ServerProcess:
         threads: int | None = None,
         env: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
+        log_path: str | Path | None = None,
         **engine_args,
     ) -> None:
         self.host, self.port = host, port or free_port()
@@ -73,7 +75,7 @@ class ServerProcess:
         if threads is not None:
             self.env["OMP_NUM_THREADS"] = str(threads)
         self.proc: subprocess.Popen | None = None
-        self.log_path: Path | None = None
+        self.log_path: Path | None = Path(log_path) if log_path is not None else None
 
     @property
     def base_url(self) -> str:
@@ -85,16 +87,29 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         """Start the process and wait until ``/health`` answers 200."""
-        fd, name = tempfile.mkstemp(prefix="workbench-serve-", suffix=".log")
-        self.log_path = Path(name)
-        with os.fdopen(fd, "w") as log:
+        self.launch()
+        self.wait_ready()
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting (then :meth:`wait_ready`)."""
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="workbench-serve-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
+
+    def wait_ready(self) -> float:
+        """Wait until ``/health`` answers 200; return the seconds waited. Raises ``RuntimeError``
+        (with the end of the log) when the process exits first or ``startup_timeout`` passes."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.startup_timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"workbench serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             if self.healthy():
-                return self
+                return time.monotonic() - t0
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(
