@@ -12,6 +12,7 @@ On CPU there is no device to query, so the memory that
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -35,10 +36,59 @@ _DTYPES = {
 DEFAULT_MODEL = BUNDLED_MODEL
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def cpu_native_bfloat16() -> str | None:
+    """The CPU's native bfloat16 instructions, or ``None``: ``"AMX"`` (Intel AMX-BF16 tiles, Sapphire Rapids and
+    later), ``"AVX512-BF16"`` (AVX512_BF16 dot products: AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids),
+    else ``None`` (bfloat16 would be emulated in float32 and run slower than float32 itself).
+
+    Read from the ``flags`` line of ``/proc/cpuinfo`` (Linux; ``None`` elsewhere). The same test vLLM's CPU
+    backend makes before it picks bfloat16 (``vllm/platforms/cpu.py``). The environment variable
+    ``WORKBENCH_CPU_BFLOAT16`` overrides the answer: ``0`` = none (the test suite sets it, so that its compared
+    outputs are float32 on every CPU), ``1`` = native."""
+    forced = os.environ.get("WORKBENCH_CPU_BFLOAT16")
+    if forced is not None and forced.strip() != "":
+        return None if forced.strip().lower() in ("0", "false", "no", "off") else "WORKBENCH_CPU_BFLOAT16=1"
+    flags = _cpu_flags()
+    return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def auto_dtype(device: torch.device | str = "cpu") -> tuple[torch.dtype, str]:
+    """What ``dtype="auto"`` means on ``device``, and why (the sentence the engine logs at start-up).
+
+    CPU: bfloat16 where the CPU has native bfloat16 (:func:`cpu_native_bfloat16`: its matmuls run about 2-4x
+    faster than float32 ones and its KV cache takes half the bytes), else float32, as vLLM's CPU backend.
+    Other devices: float32 (the engine's reference precision; pass ``dtype="bfloat16"`` or ``"float16"``)."""
+    if torch.device(device).type != "cpu":
+        return torch.float32, f"dtype auto -> float32 on {torch.device(device).type} (pass --dtype to change it)"
+    isa = cpu_native_bfloat16()
+    if isa:
+        return (
+            torch.bfloat16,
+            f"dtype auto -> bfloat16: this CPU has native bfloat16 ({isa}); --dtype float32 for exact float32",
+        )
+    return torch.float32, (
+        "dtype auto -> float32: this CPU has no native bfloat16 (AVX512-BF16 or AMX), where bfloat16 would be "
+        "emulated and slower; --dtype bfloat16 forces it"
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
     """Map a dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"``) to a torch dtype.
 
-    ``"auto"`` means float32 on CPU (CPU kernels for half types are slow and less exact).
+    ``"auto"`` follows the hardware of ``device`` (:func:`auto_dtype`): on CPU bfloat16 where it is native,
+    float32 elsewhere.
 
     Raises:
         ValueError: the name is not one of the accepted ones.
@@ -46,7 +96,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.float32
+        return auto_dtype(device)[0]
     try:
         return _DTYPES[dtype]
     except KeyError:
@@ -90,7 +140,7 @@ class EngineConfig:
 
     model: str = arg(DEFAULT_MODEL, "HF folder, .safetensors (config.json beside it), .gguf, or the bundled model")
     tokenizer: str | None = arg(None, "tokenizer folder (default: the model's)")
-    dtype: str = arg("auto", "auto | float32 | bfloat16 | float16")
+    dtype: str = arg("auto", "auto (CPU: bfloat16 where native, else float32) | float32 | bfloat16 | float16")
     device: str = arg("cpu", "cpu | cuda | auto")
     seed: int = arg(0, "seed of sampling for requests without a seed of their own")
     block_size: int = arg(16, "tokens per KV block")
@@ -315,11 +365,21 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.dtype)
+        """The weights' and activations' dtype; ``"auto"`` follows the device (:func:`auto_dtype`)."""
+        return resolve_dtype(self.dtype, self.torch_device)
+
+    @property
+    def dtype_reason(self) -> str:
+        """The start-up log's sentence on the dtype: what ``"auto"`` chose and why, or that it was given."""
+        if self.dtype == "auto":
+            return auto_dtype(self.torch_device)[1]
+        return f"dtype {self.torch_dtype} (given)".replace("torch.", "")
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
-        return self.torch_dtype if self.kv_cache_dtype == "auto" else resolve_dtype(self.kv_cache_dtype)
+        return (
+            self.torch_dtype if self.kv_cache_dtype == "auto" else resolve_dtype(self.kv_cache_dtype, self.torch_device)
+        )
 
     @property
     def torch_device(self) -> torch.device:

@@ -104,6 +104,7 @@ class LLMEngine:
         ex.load_model(self.max_model_len)
         self.load_time_s = time.perf_counter() - t0  #: seconds to read and build the model (and start workers)
         self.memory: MemoryBudget = ex.memory_budget(self.max_model_len, self.max_num_batched_tokens)
+        log.info(config.dtype_reason)
         log.info(self.memory.summary_line())
         num_cpu_blocks = swap_pool_blocks(config, self.memory)
         ex.check_fits(self.memory, num_cpu_blocks)

@@ -187,6 +187,8 @@ def run_job(
             "max_num_batched_tokens": eng.max_num_batched_tokens,
             "num_blocks": eng.memory.num_blocks,
             "kv_bytes_per_token": eng.memory.kv_bytes_per_token,
+            "resolved_dtype": str(eng.config.torch_dtype).removeprefix("torch."),  # what dtype "auto" became here
+            "resolved_kv_cache_dtype": str(eng.config.kv_torch_dtype).removeprefix("torch."),
             "dataset": str(dataset) if dataset else "datasets/default_prompts.jsonl",
             "num_prompts": len(records),
             "max_tokens": max_tokens,

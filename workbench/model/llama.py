@@ -41,15 +41,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # torch.rms_norm is x * rsqrt(mean(x^2) + eps) in one kernel (bit-identical to the three ops in float32)
+        y = torch.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * y.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, D]`` by the angles of its tokens (``cos``, ``sin``: ``[T, 1, D]``), as transformers'
+    ``apply_rotary_pos_emb`` (RoPE in the rotate-half layout; Su et al., 2021, eq. 34)."""
+    return x * cos + rotate_half(x) * sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -67,11 +72,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * hf.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf.attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their positions ``[T]``."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` of the step's positions ``[T]``: each ``[T, 1, head_dim]`` in ``dtype``. Looked up once
+        per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -90,13 +94,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias, tp)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k heads sit side by side in the fused output: one rotation for both
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = meta.backend or TORCH_BACKEND  # the PyTorch reference or the Triton kernels
         attn.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         o = attn.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -126,8 +130,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -178,8 +182,9 @@ class LlamaForCausalLM(nn.Module):
             logits_indices: ``[num_sampling]`` int64, the rows of the tokens that sample.
         """
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, cache, meta)
+            x = layer(x, rope, cache, meta)
         x = self.norm(x[logits_indices])
         logits = F.linear(x, self.lm_head_weight)  # [S, ceil(V/N)] per rank -> [S, V] on every rank
         return self.tp.gather_vocab(logits, self.config.vocab_size).float()

@@ -134,7 +134,8 @@ def replay(run_dir: str | Path, hardware: HardwareSpec, efficiency: Efficiency, 
 
             arch = load_arch(model)
     dtype = cfg.get("dtype", "auto")
-    dtype = "float32" if dtype == "auto" else dtype
+    if dtype == "auto":  # what "auto" was on the machine that ran it (folders before it was recorded: float32)
+        dtype = cfg.get("resolved_dtype", "float32")
     kv = cfg.get("kv_cache_dtype", "auto")
     args = {k: cfg[k] for k in REPLAY_ARGS if k in cfg}
     args["num_gpu_blocks_override"] = cfg["num_blocks"]

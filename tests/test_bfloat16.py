@@ -1,0 +1,173 @@
+"""bfloat16 on the CPU: when ``dtype="auto"`` picks it, how it is logged, and how far its outputs may drift.
+
+The engine's bfloat16 path is the same code as its float32 path in another dtype; what it trades is precision
+(an 8-bit mantissa: a logit near 30 is kept to 0.125). These tests bound that trade against the float32
+reference (transformers in float32) and check that the engine in bfloat16 computes what transformers computes
+in bfloat16. The rest of the suite runs in float32 (``WORKBENCH_CPU_BFLOAT16=0`` in conftest.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import real_prompts
+
+from workbench import LLM, SamplingParams
+from workbench.config import EngineConfig, auto_dtype, cpu_native_bfloat16
+
+NUM_PROMPTS = 16
+NEW_TOKENS = 32
+#: bfloat16 vs float32 logits of the bundled model on 16 ShareGPT prompts: at most 0.57 apart (logits reach 34);
+#: the bound leaves room for other prompts and CPUs
+MAX_LOGIT_ERROR = 1.0
+
+
+@pytest.fixture
+def detect(monkeypatch):
+    """Let ``cpu_native_bfloat16`` read the CPU (conftest pins it off), with the flags a test gives."""
+    import workbench.config as config
+
+    monkeypatch.delenv("WORKBENCH_CPU_BFLOAT16", raising=False)
+
+    def set_flags(*flags):
+        monkeypatch.setattr(config, "_cpu_flags", lambda: frozenset(flags))
+
+    return set_flags
+
+
+def test_auto_is_bfloat16_where_the_cpu_has_it_and_float32_elsewhere(detect):
+    detect("avx512f", "avx512_bf16")
+    assert cpu_native_bfloat16() == "AVX512-BF16"
+    dtype, why = auto_dtype("cpu")
+    assert dtype == torch.bfloat16 and "AVX512-BF16" in why
+    detect("avx512f", "amx_bf16", "amx_tile", "avx512_bf16")
+    assert cpu_native_bfloat16() == "AMX" and auto_dtype("cpu")[0] == torch.bfloat16
+    detect("avx2", "fma")  # no native bfloat16: emulated bfloat16 would be slower than float32
+    dtype, why = auto_dtype("cpu")
+    assert dtype == torch.float32 and "no native bfloat16" in why
+    c = EngineConfig()
+    assert (c.torch_dtype, c.kv_torch_dtype) == (torch.float32, torch.float32)
+    detect("avx512_bf16")
+    c = EngineConfig()
+    assert (c.torch_dtype, c.kv_torch_dtype) == (torch.bfloat16, torch.bfloat16)
+    # an explicit dtype wins, on any CPU
+    assert EngineConfig(dtype="float32").torch_dtype == torch.float32
+    assert EngineConfig(dtype="float32").dtype_reason == "dtype float32 (given)"
+    assert EngineConfig(dtype="float32", kv_cache_dtype="bfloat16").kv_torch_dtype == torch.bfloat16
+
+
+def test_the_environment_variable_overrides_detection(monkeypatch):
+    import workbench.config as config
+
+    monkeypatch.setattr(config, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setenv("WORKBENCH_CPU_BFLOAT16", "0")
+    assert cpu_native_bfloat16() is None and EngineConfig().torch_dtype == torch.float32
+    monkeypatch.setattr(config, "_cpu_flags", lambda: frozenset())
+    monkeypatch.setenv("WORKBENCH_CPU_BFLOAT16", "1")
+    assert EngineConfig().torch_dtype == torch.bfloat16
+
+
+def test_the_engine_logs_which_dtype_auto_chose_and_why(tiny_model, detect, caplog):
+    detect("avx512_bf16")
+    with caplog.at_level(logging.INFO, logger="workbench"):
+        llm = LLM(model=str(tiny_model), max_model_len=64, num_gpu_blocks_override=16)
+    assert "dtype auto -> bfloat16: this CPU has native bfloat16 (AVX512-BF16)" in caplog.text
+    eng = llm.llm_engine
+    assert next(eng.executor.model.parameters()).dtype == torch.bfloat16
+    assert eng.executor.kv_caches[0].dtype == torch.bfloat16
+    f32 = LLM(model=str(tiny_model), dtype="float32", max_model_len=64, num_gpu_blocks_override=16).llm_engine
+    assert eng.memory.kv_bytes_per_token * 2 == f32.memory.kv_bytes_per_token  # half the KV bytes per token
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.fixture(scope="module")
+def bf16_llm():
+    return LLM(dtype="bfloat16", max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def hf_models(bf16_llm):
+    from transformers import AutoModelForCausalLM
+
+    folder = str(bf16_llm.llm_engine.model_folder)
+    return {dt: AutoModelForCausalLM.from_pretrained(folder, dtype=dt).eval() for dt in (torch.float32, torch.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def chat_ids(bf16_llm):
+    tok = bf16_llm.tokenizer
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for p in real_prompts(NUM_PROMPTS)
+    ]
+
+
+def _prefill_logits(llm, prompts) -> torch.Tensor:
+    eng = llm.llm_engine
+    captured: list[torch.Tensor] = []
+    run = eng.executor.execute_model
+
+    def capture(inp):
+        logits = run(inp)
+        captured.append(logits.clone())
+        return logits
+
+    eng.executor.execute_model = capture
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    finally:
+        eng.executor.execute_model = run
+    assert captured[0].shape[0] == len(prompts)  # one step holds every prefill (a 2,048-token budget)
+    return captured[0]
+
+
+def test_bfloat16_logits_stay_within_the_bound_of_float32_and_agree_with_transformers_bfloat16(
+    bf16_llm, hf_models, chat_ids
+):
+    got = _prefill_logits(bf16_llm, chat_ids)
+    flips = 0
+    for row, p in zip(got, chat_ids):
+        with torch.no_grad():
+            ref32 = hf_models[torch.float32](torch.tensor([p])).logits[0, -1].float()
+            ref16 = hf_models[torch.bfloat16](torch.tensor([p])).logits[0, -1].float()
+        # the same computation as transformers' in bfloat16 (a batched step may round differently: one bf16 step)
+        assert (row - ref16).abs().max().item() <= 0.125
+        err = (row - ref32).abs().max().item()
+        assert err <= MAX_LOGIT_ERROR, f"bfloat16 logits {err:.3f} from float32's (bound {MAX_LOGIT_ERROR})"
+        if row.argmax() != ref32.argmax():  # a different first token only where float32's top two are that close
+            flips += 1
+            top2 = ref32.topk(2).values
+            assert (top2[0] - top2[1]).item() <= 2 * MAX_LOGIT_ERROR
+    assert flips <= NUM_PROMPTS // 4
+
+
+def test_bfloat16_greedy_batch_equals_transformers_bfloat16_up_to_near_ties(bf16_llm, hf_models, chat_ids):
+    hf = hf_models[torch.bfloat16]
+    outs = bf16_llm.generate(chat_ids, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    same = 0
+    for prompt, o in zip(chat_ids, outs):
+        got = o.outputs[0].token_ids
+        x = torch.tensor([prompt])
+        ref = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        if got == ref:
+            same += 1
+            continue
+        # where they part, transformers' own top two (bfloat16) are within two bfloat16 steps of a logit near 30
+        k = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+        with torch.no_grad():
+            top2 = hf(torch.tensor([prompt + ref[:k]])).logits[0, -1].float().topk(2).values
+        assert (top2[0] - top2[1]).item() <= 0.25, f"prompt {prompt[:8]}...: diverged at {k} without a near tie"
+    assert same >= NUM_PROMPTS * 3 // 4, f"only {same} of {NUM_PROMPTS} prompts matched token for token"
