@@ -171,3 +171,24 @@ def test_bfloat16_greedy_batch_equals_transformers_bfloat16_up_to_near_ties(bf16
             top2 = hf(torch.tensor([prompt + ref[:k]])).logits[0, -1].float().topk(2).values
         assert (top2[0] - top2[1]).item() <= 0.25, f"prompt {prompt[:8]}...: diverged at {k} without a near tie"
     assert same >= NUM_PROMPTS * 3 // 4, f"only {same} of {NUM_PROMPTS} prompts matched token for token"
+
+
+def test_prepacked_bfloat16_weights_compute_the_same_bits(tiny_model, monkeypatch):
+    import workbench.model.loader as loader
+
+    args = dict(model=str(tiny_model), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=64)
+    packed_llm = LLM(**args)
+    monkeypatch.setattr(loader, "can_prepack", lambda *a: False)
+    dense_llm = LLM(**args)
+    mp, md = packed_llm.llm_engine.executor.model, dense_llm.llm_engine.executor.model
+    proj = mp.layers[0].mlp.gate_up_proj
+    assert proj.packed_weight is not None and proj.weight.is_meta  # the dense copy is not kept
+    assert md.layers[0].mlp.gate_up_proj.packed_weight is None
+    assert mp.weight_bytes() == md.weight_bytes()
+    assert packed_llm.llm_engine.memory.num_blocks == dense_llm.llm_engine.memory.num_blocks
+    ps = [[3 + i, 7, 11 + 2 * i, 5] * (i + 1) for i in range(6)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+    a = [o.outputs[0] for o in packed_llm.generate(ps, sp)]
+    b = [o.outputs[0] for o in dense_llm.generate(ps, sp)]
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.logprobs for x in a] == [x.logprobs for x in b]  # the same bits, not merely the same argmax

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from workbench.catalog import BUNDLED_MODEL, is_bundled_model
+from workbench.model.cpu_pack import can_prepack, prepack_linears
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.parallel import shard_hf_state_dict
 
@@ -287,4 +288,6 @@ def build_model(hf_config, state_dict: dict, max_model_len: int, dtype: torch.dt
     model.load_hf_state_dict(state_dict)
     model = model.to(device=device, dtype=dtype).eval()
     model.rotary.float()
+    if can_prepack(dtype, device):  # bfloat16 on CPU: weights in oneDNN's layout, reordered once (cpu_pack)
+        prepack_linears(model)
     return model

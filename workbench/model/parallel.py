@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.comm import CommStats, Timed
+from workbench.model.cpu_pack import packed_linear
 from workbench.model.shapes import arch_from_hf_config
 
 
@@ -127,6 +128,13 @@ class ColumnParallelLinear(nn.Linear):
     Shapes: ``x [T, in_features]`` -> ``[T, out_features]``.
     """
 
+    packed_weight: torch.Tensor | None = None  # bfloat16 on CPU: oneDNN's layout (workbench.model.cpu_pack)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Module):
     """``y = sum_r x_r W_r^T + b``: each rank multiplies its slice of the input features, one
@@ -145,11 +153,18 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+    packed_weight: torch.Tensor | None = None  # bfloat16 on CPU: oneDNN's layout (workbench.model.cpu_pack)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.communicates:  # nothing to sum: the bias fused, as nn.Linear (same bits)
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        y = self.tp.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):
