@@ -1,7 +1,8 @@
 """Where an engine step's time goes: scheduling, input preparation, the model forward (attention,
 linear layers, the rest), sampling and recording.
 
-The engine (bundled SmolLM2-135M-Instruct, float32, CPU) generates greedily for the same prompts as
+The engine (bundled SmolLM2-135M-Instruct, CPU, ``--dtype``: ``auto`` = the engine's own choice,
+bfloat16 where the CPU has native bfloat16) generates greedily for the same prompts as
 ``offline_throughput.py`` (fewer by default), four times on one ``LLM``:
 
 1. warm-up on a few prompts;
@@ -43,7 +44,7 @@ import torch
 from offline_throughput import REPO, load_engine, load_token_prompts, machine_info  # same folder
 
 DEFAULT_OUT = REPO / "runs" / "bench" / "profile_step.json"
-LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul"}
+LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise"}  # the last: bf16
 LABEL_ATTN = "wb::paged_attention"
 LABEL_KV_WRITE = "wb::write_kv"
 LABEL_FORWARD = "wb::forward"
@@ -297,6 +298,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine max_num_seqs (default 64)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="engine max_num_batched_tokens (default 2048)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="engine dtype (default auto)"
+    )
     p.add_argument("--profile-steps", type=int, default=12, help="steps under torch.profiler (default 12)")
     p.add_argument("--top", type=int, default=20, help="cProfile functions to list (default 20)")
     p.add_argument("--dataset", default=None, help="prompt file (default: ShareGPT 500 if present, else defaults)")
@@ -315,11 +319,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     machine = machine_info()
-    llm = load_engine(args.max_num_seqs, args.max_batch_tokens)
+    llm = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype)
+    dtype = str(llm.llm_engine.config.torch_dtype).removeprefix("torch.")
     prompts, prompt_info = load_token_prompts(llm.tokenizer, args.num_prompts, args.max_prompt_len, args.dataset)
     print(
         f"# {machine['cpu_model']} | {machine['cpus_available']} CPUs | torch {machine['torch']} "
-        f"({torch.get_num_threads()} threads) | {len(prompts)} prompts ({prompt_info['prompt_tokens']} tokens) "
+        f"({torch.get_num_threads()} threads) | {dtype} | {len(prompts)} prompts ({prompt_info['prompt_tokens']} tokens) "
         f"x {args.max_tokens} output tokens",
         flush=True,
     )
@@ -342,7 +347,7 @@ def main(argv=None) -> int:
     print(
         f"Engine step profile: {len(prompts)} prompts, {args.max_tokens} output tokens each, "
         f"{len(steps)} steps ({sum(s.num_prefill_tokens for s in steps)} prefill + "
-        f"{sum(s.num_decode_tokens for s in steps)} decode tokens), {torch.get_num_threads()} torch threads"
+        f"{sum(s.num_decode_tokens for s in steps)} decode tokens), {dtype}, {torch.get_num_threads()} torch threads"
     )
     print()
     print("| phase | seconds | share |")
@@ -385,7 +390,8 @@ def main(argv=None) -> int:
             "max_num_batched_tokens": llm.llm_engine.max_num_batched_tokens,
             "torch_num_threads": torch.get_num_threads(),
             "profile_steps": args.profile_steps,
-            "dtype": "float32",
+            "dtype": dtype,
+            "dtype_arg": args.dtype,
             "greedy": True,
             "ignore_eos": True,
         },

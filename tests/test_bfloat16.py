@@ -192,3 +192,20 @@ def test_prepacked_bfloat16_weights_compute_the_same_bits(tiny_model, monkeypatc
     b = [o.outputs[0] for o in dense_llm.generate(ps, sp)]
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.logprobs for x in a] == [x.logprobs for x in b]  # the same bits, not merely the same argmax
+
+
+def test_tensor_parallel_in_bfloat16_matches_one_rank(tiny_model):
+    """Two ranks in bfloat16 (packed weights on each, partial sums all-reduced in bfloat16) against one: the same
+    first tokens and logits within bfloat16's rounding of the two partial sums."""
+    args = dict(model=str(tiny_model), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=64)
+    ps = [[3 + i, 7, 11 + 2 * i, 5] * (i + 1) for i in range(4)]
+    sp = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=5)
+    ref = [o.outputs[0] for o in LLM(**args).generate(ps, sp)]
+    with LLM(tensor_parallel_size=2, **args) as llm:
+        got = [o.outputs[0] for o in llm.generate(ps, sp)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(got, ref):
+        lp_a, lp_b = a.logprobs[0], b.logprobs[0]
+        for tok, lp in lp_b.items():
+            if tok in lp_a:
+                assert abs(lp_a[tok].logprob - lp.logprob) <= 0.1
