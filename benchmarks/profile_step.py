@@ -96,7 +96,8 @@ def instrument(llm, timers: Timers) -> None:
     executor_mod.prepare_inputs = timers.wrap("prepare_inputs", executor_mod.prepare_inputs, "wb::prepare_inputs")
     eng.executor.execute_model = timers.wrap("forward", eng.executor.execute_model, LABEL_FORWARD)
     eng._record_step = timers.wrap("record_step", eng._record_step, "wb::record_step")
-    eng._output = timers.wrap("output", eng._output, "wb::output")
+    proc = eng.output  # request outputs: detokenize, stop strings, RequestOutput objects
+    proc.make_outputs = timers.wrap("output", proc.make_outputs, "wb::output")
 
 
 def sampling_params(max_tokens: int):
