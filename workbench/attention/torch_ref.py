@@ -86,22 +86,6 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table].reshape(-1, h, d)[:length]
 
 
-def decode_attention_matmul(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``softmax(q k^T * scale + mask) v`` for one query token per sequence, as two batched matmuls.
-
-    Shapes: ``q [n, nkv, group, d]`` (the query heads sharing each KV head), ``k``, ``v`` ``[n, nkv, L, d]``,
-    ``mask [n, 1, 1, L]`` bool (True = attend) -> ``[n, nkv, group, d]``.
-
-    The half-precision decode path: transformers' "eager" attention (scores in the inputs' dtype, softmax in
-    float32, weights cast back), which on a CPU runs one query token against a paged context 1.5-2.5x faster
-    than SDPA's flash kernel (``docs/benchmarks.md``). float32 keeps SDPA, the reference."""
-    scores = torch.matmul(q, k.contiguous().transpose(-1, -2)).float() * scale  # [n, nkv, group, L]
-    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
-    return torch.matmul(probs, v.contiguous())
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,10 +115,7 @@ def paged_attention(
         kd = k_cache.index_select(0, flat).view(n, -1, nkv, d).transpose(1, 2)
         vd = v_cache.index_select(0, flat).view(n, -1, nkv, d).transpose(1, 2)
         qd = q[g.start : end].view(n, nkv, group, d)  # the query heads sharing a KV head
-        if q.dtype == torch.float32:  # the reference: SDPA, as transformers computes it
-            o = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask, scale=scale)
-        else:
-            o = decode_attention_matmul(qd, kd.to(q.dtype), vd.to(q.dtype), g.mask, scale)
+        o = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask, scale=scale)
         out[g.start : end] = o.reshape(n, nh, d)
     start = meta.num_decode
     for qlen, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
