@@ -67,12 +67,17 @@ def _cpu_flags() -> frozenset[str]:
 def auto_dtype(device: torch.device | str = "cpu") -> tuple[torch.dtype, str]:
     """What ``dtype="auto"`` means on ``device``, and why (the sentence the engine logs at start-up).
 
-    CPU: bfloat16 where the CPU has native bfloat16 (:func:`cpu_native_bfloat16`: its matmuls run about 2-4x
-    faster than float32 ones and its KV cache takes half the bytes), else float32, as vLLM's CPU backend.
+    CPU: bfloat16 where the CPU has native bfloat16 (:func:`cpu_native_bfloat16`: its matmuls run
+    several times faster than float32 ones (``docs/benchmarks.md``: 3.0x at the bundled model's shapes here) and its KV cache takes half the bytes), else float32, as vLLM's CPU backend.
     Other devices: float32 (the engine's reference precision; pass ``dtype="bfloat16"`` or ``"float16"``)."""
     if torch.device(device).type != "cpu":
         return torch.float32, f"dtype auto -> float32 on {torch.device(device).type} (pass --dtype to change it)"
     isa = cpu_native_bfloat16()
+    forced = (os.environ.get("WORKBENCH_CPU_BFLOAT16") or "").strip()
+    if forced:  # the override decided, not the CPU: say so
+        dtype = torch.bfloat16 if isa else torch.float32
+        name = str(dtype).removeprefix("torch.")
+        return dtype, f"dtype auto -> {name}: set by WORKBENCH_CPU_BFLOAT16={forced} (the CPU was not asked)"
     if isa:
         return (
             torch.bfloat16,
@@ -140,7 +145,11 @@ class EngineConfig:
 
     model: str = arg(DEFAULT_MODEL, "HF folder, .safetensors (config.json beside it), .gguf, or the bundled model")
     tokenizer: str | None = arg(None, "tokenizer folder (default: the model's)")
-    dtype: str = arg("auto", "auto (CPU: bfloat16 where native, else float32) | float32 | bfloat16 | float16")
+    dtype: str = arg(
+        "auto",
+        "auto (CPU: bfloat16 where it has AVX512-BF16 or AMX, else float32; WORKBENCH_CPU_BFLOAT16=0|1 overrides;"
+        " CUDA: float32) | float32 | bfloat16 | float16",
+    )
     device: str = arg("cpu", "cpu | cuda | auto")
     seed: int = arg(0, "seed of sampling for requests without a seed of their own")
     block_size: int = arg(16, "tokens per KV block")

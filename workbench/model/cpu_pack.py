@@ -9,8 +9,11 @@ model's shapes on the development machine (the larger gains at decode's small ba
 
 Only bfloat16 on CPU: float32 matmuls go through MKL's ``sgemm`` (no reorder to save, and the float32 reference
 must stay bit-identical to transformers). The packed weight replaces the dense one, whose parameter is left on the
-``meta`` device: the model's weight bytes are counted as before, and code that would read the dense values fails
-loudly instead of reading stale ones.
+``meta`` device, so that the weights are not held twice: the model's weight bytes are counted as before. What that
+means for code that reaches into the model: such a parameter has its shape and dtype but no values — reading it
+gives meta tensors (``.cpu()``, ``.item()`` and ``.numpy()`` raise), ``state_dict()`` holds meta tensors for these
+projections, and writing into it changes nothing the engine computes with. Load weights before the model is built
+(:func:`workbench.model.loader.build_model`), or run with ``dtype="float32"``, which keeps dense weights.
 """
 
 from __future__ import annotations
