@@ -28,7 +28,7 @@ MAX_LOGIT_ERROR = 1.5
 @pytest.fixture
 def detect(monkeypatch):
     """Let ``cpu_native_bfloat16`` read the CPU (conftest pins it off), with the flags a test gives."""
-    import workbench.config as config
+    import workbench.cpu_dtype as config
 
     monkeypatch.delenv("WORKBENCH_CPU_BFLOAT16", raising=False)
 
@@ -60,7 +60,7 @@ def test_auto_is_bfloat16_where_the_cpu_has_it_and_float32_elsewhere(detect):
 
 
 def test_the_environment_variable_overrides_detection(monkeypatch):
-    import workbench.config as config
+    import workbench.cpu_dtype as config
 
     monkeypatch.setattr(config, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
     monkeypatch.setenv("WORKBENCH_CPU_BFLOAT16", "0")
