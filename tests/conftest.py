@@ -95,3 +95,12 @@ def real_prompts(n: int) -> list[str]:
     else:
         recs = default_prompts()
     return [r.prompt for r in recs[:n]]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy ``generate`` on one unpadded prompt, EOS ignored: the ``n`` new token ids."""
+    ids = torch.tensor([prompt])
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()

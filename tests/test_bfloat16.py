@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from conftest import real_prompts
+from conftest import hf_greedy, real_prompts
 
 from workbench import LLM, SamplingParams
 from workbench.config import EngineConfig, auto_dtype, cpu_native_bfloat16
@@ -161,15 +161,7 @@ def test_bfloat16_greedy_batch_equals_transformers_bfloat16_up_to_near_ties(bf16
     same = 0
     for prompt, o in zip(chat_ids, outs):
         got = o.outputs[0].token_ids
-        x = torch.tensor([prompt])
-        ref = hf.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        ref = hf_greedy(hf, prompt, NEW_TOKENS)
         if got == ref:
             same += 1
             continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import real_prompts
+from conftest import hf_greedy, real_prompts
 
 from workbench import SamplingParams
 
@@ -52,15 +52,7 @@ def test_greedy_batch_equals_transformers_one_prompt_at_a_time(bundled_llm, hf_m
     same = 0
     for prompt, o in zip(ids, outs):
         got = o.outputs[0].token_ids
-        x = torch.tensor([prompt])
-        ref = hf_model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        ref = hf_greedy(hf_model, prompt, NEW_TOKENS)
         assert len(got) == NEW_TOKENS
         if got == ref:
             same += 1

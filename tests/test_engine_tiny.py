@@ -7,17 +7,9 @@ import random
 import re
 
 import pytest
-import torch
+from conftest import hf_greedy
 
 from workbench import LLM, SamplingParams
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
