@@ -75,6 +75,25 @@ def process_rows(logits: torch.Tensor, params: list, requests: list | None) -> t
     return logits
 
 
+def top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One row of temperature-scaled logits ``[vocab_size]`` with the tokens outside the ``top_k`` most likely
+    (``top_k <= 0``: all kept) and outside the nucleus of mass ``top_p`` set to ``-inf`` (Holtzman et al., ICLR
+    2020; vLLM's order: top-k first, then top-p). The most likely token is always kept."""
+    if 0 < top_k < row.numel():
+        kth = torch.topk(row, top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(row, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens before it already reach top_p; never the most likely one (a
+        # top_p that rounds to 0 in float32 would otherwise drop them all)
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
+    return row
+
+
 def prompt_positions(req, start: int, n: int) -> tuple[int, int] | None:
     """The prompt positions ``lo..hi-1`` among a step's ``start..start+n-1`` whose logits give a
     ``prompt_logprobs`` request entries it does not have yet (position p: prompt token p+1), or ``None``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.sample_ops import process_rows
+from workbench.sample_ops import process_rows, top_k_top_p
 from workbench.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["RequestOutputKind", "SamplingParams", "sample"]
@@ -33,19 +33,7 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, idx = torch.sort(row, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # drop a token when the tokens before it already reach top_p; never the most likely one (a
-            # top_p that rounds to 0 in float32 would otherwise drop them all)
-            drop = probs.cumsum(-1) - probs >= p.top_p
-            drop[0] = False
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
+        row = top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1).cpu()  # the per-request generators live on the CPU
         out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
     return out

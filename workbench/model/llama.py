@@ -189,44 +189,6 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(x, self.lm_head_weight)  # [S, ceil(V/N)] per rank -> [S, V] on every rank
         return self.tp.gather_vocab(logits, self.config.vocab_size).float()
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in transformers' ``LlamaForCausalLM`` (``model.layers.N...``). Raises ``KeyError``
-        (naming it) if a tensor the model needs is missing, ``ValueError`` if a tensor has the wrong shape."""
-
-        def take(name: str) -> torch.Tensor:
-            try:
-                return sd[name]
-            except KeyError:
-                raise KeyError(f"weight {name!r} is missing from the checkpoint") from None
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if param.shape != value.shape:
-                raise ValueError(f"weight {name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(value)
-
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
-        put(self.norm.weight, take("model.norm.weight"), "norm")
-        if self.lm_head is not None:
-            put(self.lm_head.weight, take("lm_head.weight"), "lm_head")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            a, m = layer.self_attn, layer.mlp
-            put(a.qkv_proj.weight, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), p + "qkv_proj")
-            put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
-            if a.qkv_proj.bias is not None:
-                put(a.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv")
-            if a.o_proj.bias is not None:
-                put(a.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "o_proj.bias")
-            gu = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(m.gate_up_proj.weight, gu, p + "gate_up_proj")
-            put(m.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
-            if m.down_proj.bias is not None:
-                put(m.gate_up_proj.bias, torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]), p)
-                put(m.down_proj.bias, take(p + "mlp.down_proj.bias"), p)
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"), p + "post_ln")
-
     def weight_bytes(self) -> int:
         """Bytes of all parameters (a tied LM head counted once)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -285,9 +285,50 @@ def build_model(hf_config, state_dict: dict, max_model_len: int, dtype: torch.dt
     model.rotary = type(model.rotary)(hf_config, max_model_len)  # buffers are not in the checkpoint
     if tp is not None:
         state_dict = shard_hf_state_dict(state_dict, hf_config, tp.rank, tp.world_size)
-    model.load_hf_state_dict(state_dict)
+    load_hf_state_dict(model, state_dict)
     model = model.to(device=device, dtype=dtype).eval()
     model.rotary.float()
     if can_prepack(dtype, device):  # bfloat16 on CPU: weights in oneDNN's layout, reordered once (cpu_pack)
         prepack_linears(model)
     return model
+
+
+def load_hf_state_dict(model: LlamaForCausalLM, sd: dict[str, torch.Tensor]) -> None:
+    """Load weights named as in transformers' ``LlamaForCausalLM`` (``model.layers.N...``) into ``model`` (whole,
+    or one rank's shard, which :func:`~workbench.model.parallel.shard_hf_state_dict` names the same way; q/k/v and
+    gate/up are concatenated into the fused projections). Raises ``KeyError`` (naming it) if a tensor the model needs
+    is missing, ``ValueError`` if a tensor has the wrong shape."""
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return sd[name]
+        except KeyError:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint") from None
+
+    def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        if param.shape != value.shape:
+            raise ValueError(f"weight {name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(value)
+
+    put(model.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+    put(model.norm.weight, take("model.norm.weight"), "norm")
+    if model.lm_head is not None:
+        put(model.lm_head.weight, take("lm_head.weight"), "lm_head")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a, m = layer.self_attn, layer.mlp
+        put(a.qkv_proj.weight, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), p + "qkv_proj")
+        put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
+        if a.qkv_proj.bias is not None:
+            put(a.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv")
+        if a.o_proj.bias is not None:
+            put(a.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "o_proj.bias")
+        gu = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        put(m.gate_up_proj.weight, gu, p + "gate_up_proj")
+        put(m.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
+        if m.down_proj.bias is not None:
+            put(m.gate_up_proj.bias, torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]), p)
+            put(m.down_proj.bias, take(p + "mlp.down_proj.bias"), p)
+        put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
+        put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"), p + "post_ln")
