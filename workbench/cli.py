@@ -44,6 +44,11 @@ def prefix_repetition_options(f):
         ("--prefix-repetition-scan-every", int, "every N-th request a one-off scan prompt (0 = none) [default: 0]"),
         ("--prefix-repetition-scan-len", int, "tokens of a scan prompt [default: 4 x prefix len]"),
         ("--prefix-repetition-seed", int, "seed of the prompt set [default: 0]"),
+        (
+            "--prefix-repetition-vocab-size",
+            int,
+            "token ids are drawn from 3 up to this (the model's vocabulary) [default: 1000]",
+        ),
     ]
     for name, kind, text in reversed(opts):
         f = click.option(name, type=kind, default=None, help=text)(f)
