@@ -154,7 +154,7 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
         age = s["evicted_block_age_mean_steps"], s["evicted_block_age_p50_steps"]
         rows.append(
             (
-                f"prefix-cache evictions ({kw.get('prefix_cache_eviction') or 'lru'}), evicted age mean / median",
+                "prefix-cache evictions; evicted block age mean / median",
                 f"{s['prefix_cache_evictions_total']:,} blocks, {age[0]:,.1f} / {age[1]:,.1f} steps",
             )
         )
