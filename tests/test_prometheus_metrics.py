@@ -55,6 +55,8 @@ WORKBENCH = {
     "workbench:collectives": "counter",
     "workbench:collective_seconds": "counter",
     "workbench:engine_steps": "counter",
+    "workbench:prefix_cache_evictions": "counter",
+    "workbench:prefix_cache_evicted_block_age_steps": "histogram",
 }
 STATES = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "free")
 
@@ -157,6 +159,24 @@ def test_step_gauges_and_counters_from_step_stats():
     pool = {st: value(fams, "workbench:kv_pool_tokens", state=st) for st in STATES}
     assert sum(pool.values()) == s.num_blocks * s.block_size
     assert math.isclose(sum(value(fams, "workbench:kv_pool_ratio", state=st) for st in STATES), 1.0)
+
+
+def test_prefix_cache_counters_and_evicted_block_ages_from_step_stats():
+    sink = PrometheusSink("m")
+    steps = [
+        _step(
+            prefix_cache_queries=100, prefix_cache_hits=64, prefix_cache_evictions=3, evicted_block_ages_steps=[0, 5, 5]
+        ),
+        _step(prefix_cache_queries=40, prefix_cache_hits=0, prefix_cache_evictions=1, evicted_block_ages_steps=[300]),
+        _step(),
+    ]
+    for s in steps:
+        sink.on_step(s)
+    fams = families(sink)
+    assert value(fams, "vllm:prefix_cache_queries", "_total") == 140
+    assert value(fams, "vllm:prefix_cache_hits", "_total") == 64
+    assert value(fams, "workbench:prefix_cache_evictions", "_total") == 4
+    check_hist(fams, "workbench:prefix_cache_evicted_block_age_steps", [0, 5, 5, 300])
 
 
 @pytest.mark.slow

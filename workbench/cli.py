@@ -32,12 +32,36 @@ def main(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def prefix_repetition_options(f):
+    """``--prefix-repetition-*``: the options of ``--dataset prefix-repetition``
+    (:func:`workbench.bench.samples.prefix_repetition_records`); vLLM's ``bench serve`` names where it has them."""
+    opts = [
+        ("--prefix-repetition-prefix-len", int, "tokens of each tenant's system prompt [default: 256]"),
+        ("--prefix-repetition-suffix-len", int, "tokens of each request's own suffix [default: 256]"),
+        ("--prefix-repetition-num-prefixes", int, "tenants (distinct system prompts) [default: 10]"),
+        ("--prefix-repetition-output-len", int, "output tokens per request [default: --max-tokens]"),
+        ("--prefix-repetition-zipf", float, "Zipf exponent of tenant popularity (0 = uniform) [default: 0]"),
+        ("--prefix-repetition-scan-every", int, "every N-th request a one-off scan prompt (0 = none) [default: 0]"),
+        ("--prefix-repetition-scan-len", int, "tokens of a scan prompt [default: 4 x prefix len]"),
+        ("--prefix-repetition-seed", int, "seed of the prompt set [default: 0]"),
+        (
+            "--prefix-repetition-vocab-size",
+            int,
+            "token ids are drawn from 3 up to this (the model's vocabulary) [default: 1000]",
+        ),
+    ]
+    for name, kind, text in reversed(opts):
+        f = click.option(name, type=kind, default=None, help=text)(f)
+    return f
+
+
 @main.command(short_help="Serve a prompt set; print a summary; write a run folder with a report.")
 @click.option(
     "--dataset",
     type=click.Path(dir_okay=False),
     default=None,
-    help="ShareGPT JSON or JSONL prompts [default: datasets/default_prompts.jsonl]",
+    help="ShareGPT JSON or JSONL prompts, or 'prefix-repetition' (tenants' system prompts, the "
+    "--prefix-repetition-* options) [default: datasets/default_prompts.jsonl]",
 )
 @click.option("--num-prompts", default=64, show_default=True, type=int, help="use the first N prompts")
 @click.option("--max-tokens", default=128, show_default=True, type=int, help="output cap per request")
@@ -46,6 +70,7 @@ def main(verbose: bool) -> None:
 @click.option("--top-k", default=-1, show_default=True, type=int, help="keep the k most likely tokens (-1 = all)")
 @click.option("--ignore-eos", is_flag=True, help="generate max-tokens tokens even past the end-of-sequence token")
 @click.option("--output-dir", default="runs", show_default=True, help="parent of the run folder")
+@prefix_repetition_options
 @engine_options
 def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos, output_dir, **kw):
     """Serve a prompt set with the engine; print a summary; write runs/<timestamp>/ with a report."""
@@ -55,9 +80,12 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     from workbench.bench.run import run_job
 
     console = Console()
+    options = {k.removeprefix("prefix_repetition_"): kw.pop(k) for k in list(kw) if k.startswith("prefix_repetition_")}
+    options = {k: v for k, v in options.items() if v is not None}
     try:
         res = run_job(
             dataset=dataset,
+            dataset_options=options if dataset == "prefix-repetition" and options else None,
             num_prompts=num_prompts,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -122,6 +150,14 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
         )
     if queries:
         rows.append(("prefix-cache hit rate (prompt tokens)", f"{hits / queries:.1%} ({hits:,} of {queries:,})"))
+    if s.get("prefix_cache_evictions_total"):
+        age = s["evicted_block_age_mean_steps"], s["evicted_block_age_p50_steps"]
+        rows.append(
+            (
+                "prefix-cache evictions; evicted block age mean / median",
+                f"{s['prefix_cache_evictions_total']:,} blocks, {age[0]:,.1f} / {age[1]:,.1f} steps",
+            )
+        )
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from workbench.allocators.eviction import check_prefix_cache_eviction
 from workbench.catalog import BUNDLED_MODEL, BUNDLED_REPO, is_bundled_model
 from workbench.comm import NCCL_MAX_CHANNELS, parse_nccl_proto
 from workbench.cpu_dtype import auto_dtype, cpu_native_bfloat16, resolve_dtype  # noqa: F401  (re-exported)
@@ -40,6 +41,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton-interpret")  # see workbench.attention.backend
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
+PREFIX_CACHE_EVICTIONS = ("lru", "fifo", "lfu")  # see workbench.allocators.eviction
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # and the aliases of resolve_dtype
 
 
@@ -98,6 +100,12 @@ class EngineConfig:
         0, "most prompt tokens one request takes per step (0 = no cap beyond the budget)", minimum=0
     )
     enable_prefix_caching: bool = arg(False, "reuse the KV blocks of identical prompt prefixes")
+    prefix_cache_eviction: str = arg(
+        "lru",
+        "which free prefix-cached block is reused first: lru (vLLM's), fifo, lfu, or a plug-in 'package.module:Class'",
+        choices=PREFIX_CACHE_EVICTIONS,
+        cli={"plugins": True},
+    )
     scheduling_policy: str = arg("fcfs", "order of admission and of preemption", choices=SCHEDULING_POLICIES)
     preemption_mode: str = arg(
         "recompute", "what happens to a request preempted when KV blocks run out", choices=PREEMPTION_MODES
@@ -181,6 +189,7 @@ class EngineConfig:
         """
         self._validate_sizes()
         self._validate_choices()
+        check_prefix_cache_eviction(self)  # a plug-in policy loads here; fifo, lfu and plug-ins need prefix caching
         self._validate_parallel()
         self._validate_dtypes_and_paths()
         return self
@@ -242,9 +251,10 @@ class EngineConfig:
         for f in fields(self):  # the declared choices (scheduling, preemption, allocator, batching, backends)
             v, ok = getattr(self, f.name), f.metadata.get("choices")
             cli = f.metadata.get("cli")
-            plugin = isinstance(cli, dict) and cli.get("plugins") and is_plugin_name(v)
-            if ok and v not in ok and not (v is None and f.default is None) and not plugin:
+            plugins = isinstance(cli, dict) and cli.get("plugins")
+            if ok and v not in ok and not (v is None and f.default is None) and not (plugins and is_plugin_name(v)):
                 none = " or None" if f.default is None else ""
+                none += " or a plug-in 'package.module:ClassName'" if plugins else ""
                 raise ValueError(f"{f.name}={v!r} must be one of {', '.join(map(repr, ok))}{none}")
 
     def _validate_dtypes_and_paths(self) -> None:

@@ -16,15 +16,20 @@ from datetime import datetime
 from pathlib import Path
 
 from workbench.bench.datasets import PromptRecord, select_prompts
+from workbench.bench.samples import prefix_repetition_records
 from workbench.config import EngineConfig
 from workbench.entrypoints.llm import LLM
 from workbench.entrypoints.progress import labelled_tqdm
 from workbench.metrics import JsonlSink, Recorder
+from workbench.metrics.stats import prefix_cache_summary
 from workbench.metrics.waste import flatten_breakdown, waste_breakdown
 from workbench.outputs import RequestOutput
 from workbench.sampling import SamplingParams
 
 log = logging.getLogger("workbench")
+
+#: ``dataset`` name of the built-in multi-tenant prompt set (:func:`workbench.bench.samples.prefix_repetition_records`)
+PREFIX_REPETITION = "prefix-repetition"
 
 
 @dataclass
@@ -66,13 +71,16 @@ def run_job(
     run_name: str | None = None,
     records: list[PromptRecord] | None = None,
     sinks: list | None = None,
+    dataset_options: dict | None = None,
     **engine_args,
 ) -> JobResult:
     """Run a prompt set through the engine and write the run folder.
 
     Args:
         dataset: ShareGPT JSON or JSONL (see :mod:`workbench.bench.datasets`); ``None`` = the
-            project's default prompts.
+            project's default prompts; ``"prefix-repetition"`` = the multi-tenant prompt set of
+            :func:`workbench.bench.samples.prefix_repetition_records` (``num_prompts`` of them, default 64), with
+            ``dataset_options`` its keyword arguments (``prefix_len``, ``zipf``, ``scan_every``, ...).
         num_prompts: first N prompts (``None`` = all); a source with fewer runs all it has, with a
             warning (logged, and in :attr:`JobResult.warnings`).
         max_tokens: output cap per request (a record's own ``max_tokens`` wins).
@@ -98,6 +106,15 @@ def run_job(
 
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts} must be >= 1")
+    if dataset == PREFIX_REPETITION:
+        if records is not None:
+            raise ValueError("give either dataset='prefix-repetition' or records, not both")
+        records, dataset = prefix_repetition_records(num_prompts or 64, **(dataset_options or {})), None
+        shown = PREFIX_REPETITION + (f" {json.dumps(dataset_options, sort_keys=True)}" if dataset_options else "")
+    elif dataset_options:
+        raise ValueError(f"dataset_options={dataset_options!r} apply to dataset='prefix-repetition' only")
+    else:
+        shown = str(dataset) if dataset else "datasets/default_prompts.jsonl"
     records, short = select_prompts(num_prompts, dataset, records)
     if not records:
         raise ValueError(f"dataset {dataset} has no prompts")
@@ -180,6 +197,8 @@ def run_job(
             if k.endswith(("_pool_frac", "_used_frac"))
         }
     )
+    if eng.config.enable_prefix_caching:
+        summary.update(prefix_cache_summary(steps))
     memory = eng.memory.to_dict()
     if run_dir is not None:
         config = eng.config.to_dict() | {
@@ -189,7 +208,7 @@ def run_job(
             "kv_bytes_per_token": eng.memory.kv_bytes_per_token,
             "resolved_dtype": str(eng.config.torch_dtype).removeprefix("torch."),  # what dtype "auto" became here
             "resolved_kv_cache_dtype": str(eng.config.kv_torch_dtype).removeprefix("torch."),
-            "dataset": str(dataset) if dataset else "datasets/default_prompts.jsonl",
+            "dataset": shown,
             "num_prompts": len(records),
             "max_tokens": max_tokens,
             "temperature": temperature,

@@ -6,6 +6,8 @@ output length to ask for, from the datasets of ``vllm bench serve`` (``--dataset
 * ``prefix-repetition``: ``num_prefixes`` random prefixes of ``prefix_len`` tokens shared by the
   prompts, each followed by its own random suffix of ``suffix_len`` tokens (vLLM's defaults: 256,
   256, 10 prefixes, 128 output tokens) — the load that prefix caching serves.
+  :func:`prefix_repetition_records` builds the same kind of load in token ids for ``workbench run --dataset
+  prefix-repetition`` and the eviction benchmark, with tenants of Zipf-distributed popularity and an optional scan.
 * ``sharegpt``: the first human turn of ShareGPT conversations (:func:`workbench.bench.datasets.load_prompts`),
   shuffled with the seed; the output length is the tokenised length of the ``"gpt"`` reply (or
   ``output_len``); conversations with a prompt or reply under 4 tokens, a prompt over 1,024 or
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.bench.datasets import load_prompts
+from workbench.bench.datasets import PromptRecord, load_prompts
 
 __all__ = [
     "DATASET_NAMES",
@@ -36,6 +38,7 @@ __all__ = [
     "SampleRequest",
     "build_samples",
     "load_tokenizer",
+    "prefix_repetition_records",
 ]
 
 log = logging.getLogger(__name__)
@@ -251,3 +254,66 @@ def _enough(out: list, num_prompts: int, path, what: str) -> None:
         log.warning("asked for %d prompts; %s has %d %s — running %d", num_prompts, path, len(out), what, len(out))
     if not out:
         raise ValueError(f"--dataset-path {path}: no {what}; check the file's format")
+
+
+def prefix_repetition_records(
+    num_prompts: int,
+    *,
+    prefix_len: int = 256,
+    suffix_len: int = 256,
+    num_prefixes: int = 10,
+    output_len: int | None = None,
+    zipf: float = 0.0,
+    scan_every: int = 0,
+    scan_len: int | None = None,
+    vocab_size: int = 1000,
+    seed: int = 0,
+) -> list[PromptRecord]:
+    """A multi-tenant prefix-repetition prompt set, in token ids (reproducible for a ``seed``).
+
+    ``num_prefixes`` tenants, each with its own system prompt of ``prefix_len`` random token ids; each request
+    is one tenant's system prompt followed by its own random suffix of ``suffix_len`` ids (vLLM's
+    ``prefix-repetition`` dataset and defaults, ``vllm/benchmarks/datasets.py``, which cycles its prefixes). Here
+    the tenant of each request is drawn at random with Zipf-distributed popularity: tenant ``k`` (0-based) with
+    probability proportional to ``1 / (k + 1) ** zipf`` (``zipf=0``: uniform; ~1: a few hot tenants and a long
+    tail). With ``scan_every=N > 0`` every N-th request is instead a one-off *scan* prompt of ``scan_len`` random
+    ids (default ``4 * prefix_len``) that shares nothing: the load under which LRU eviction flushes a hot system
+    prompt (a scan in the page-replacement sense; O'Neil et al., "The LRU-K page replacement algorithm", SIGMOD
+    1993). Token ids are uniform in ``[3, vocab_size)`` (ids below 3 are often special tokens), so the prompts fit
+    any model with at least ``vocab_size`` tokens.
+
+    Returns:
+        ``num_prompts`` records: ``prompt`` the token ids, ``id`` ``"t<k>-<i>"`` (tenant ``k``, request ``i``) or
+        ``"scan-<i>"``, ``max_tokens`` = ``output_len`` (``None``: the run's cap).
+
+    Raises:
+        ValueError: a count below 1 (``num_prompts``, ``prefix_len``, ``num_prefixes``, ``vocab_size`` under 4),
+            a negative ``suffix_len``, ``scan_every`` or ``zipf``, or a ``scan_len`` below 1; the message names the value.
+    """
+    for name, v, lo in (
+        ("num_prompts", num_prompts, 1),
+        ("prefix_len", prefix_len, 1),
+        ("suffix_len", suffix_len, 0),
+        ("num_prefixes", num_prefixes, 1),
+        ("scan_every", scan_every, 0),
+        ("vocab_size", vocab_size, 4),
+        ("scan_len", 1 if scan_len is None else scan_len, 1),
+        ("output_len", 1 if output_len is None else output_len, 1),
+    ):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"prefix-repetition: {name}={v!r} must be an integer >= {lo}")
+    if not zipf >= 0:
+        raise ValueError(f"prefix-repetition: zipf={zipf!r} must be >= 0 (0 = every tenant equally popular)")
+    rng = np.random.default_rng(seed)
+    systems = rng.integers(3, vocab_size, size=(num_prefixes, prefix_len)).tolist()
+    weights = 1.0 / np.arange(1, num_prefixes + 1, dtype=np.float64) ** zipf
+    tenants = rng.choice(num_prefixes, size=num_prompts, p=weights / weights.sum())
+    scan = scan_len or 4 * prefix_len
+    out = []
+    for i, k in enumerate(tenants.tolist()):
+        if scan_every and (i + 1) % scan_every == 0:
+            ids, rid = rng.integers(3, vocab_size, size=scan).tolist(), f"scan-{i}"
+        else:
+            ids, rid = systems[k] + rng.integers(3, vocab_size, size=suffix_len).tolist(), f"t{k}-{i}"
+        out.append(PromptRecord(ids, False, rid, max_tokens=output_len))
+    return out

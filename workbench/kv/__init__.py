@@ -18,14 +18,15 @@ def make_kv_manager(config, num_blocks: int, num_cpu_blocks: int = 0) -> KVManag
     """The manager ``config.kv_allocator`` names, over a pool of ``num_blocks`` blocks of
     ``config.block_size`` slots (and ``num_cpu_blocks`` of CPU swap space, paged only): ``"paged"``,
     a contiguous baseline, or a plug-in ``"package.module:ClassName"`` built as
-    ``ClassName(num_blocks, block_size)``.
+    ``ClassName(num_blocks, block_size)``; paged evicts prefix-cached blocks by ``config.prefix_cache_eviction``.
 
     Raises:
         ValueError: a plug-in that cannot be loaded (see :func:`plugin_class`).
     """
     name = config.kv_allocator
     if name == "paged":
-        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
+        args = (config.enable_prefix_caching, num_cpu_blocks, config.prefix_cache_eviction)
+        return KVCacheManager(num_blocks, config.block_size, *args)
     if ":" in name:
         return plugin_class(name)(num_blocks, config.block_size)
     from workbench.kv.contiguous import ContiguousKVCacheManager

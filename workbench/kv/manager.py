@@ -41,16 +41,17 @@ class KVCacheManager(KVManager):
         block_size: token slots per block.
         enable_prefix_caching: keep full blocks findable by content hash.
         num_cpu_blocks: blocks of the CPU swap pool (0 = no swapping).
+        eviction_policy: which free cached block is evicted first: ``"lru"``, ``"fifo"``, ``"lfu"`` or a plug-in.
     """
 
     name = "paged"
     supports_fork = True
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
+        self, num_blocks: int, block_size: int, enable_prefix_caching=False, num_cpu_blocks=0, eviction_policy="lru"
     ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, eviction_policy)
         #: CPU blocks for preemption by swapping (``swap_space``); ``None`` without swap space
         self.swap_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.swapped_tables: dict[str, list[int]] = {}

@@ -81,6 +81,9 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 #: vLLM's tokens-per-iteration buckets.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+#: workbench:prefix_cache_evicted_block_age_steps (engine steps; this project's choice: 0 = evicted in the step it
+#: was freed, then powers of two up to about an hour of decode steps)
+EVICTED_AGE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 #: ``max_model_len`` for the token-count buckets when the sink is built without an engine.
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -311,6 +314,15 @@ class PrometheusSink:
             "Seconds rank 0 spent in collectives, waiting for the slowest rank included (seconds).",
         )
         self.steps = counter("workbench:engine_steps", "Engine steps run (count).")
+        self.prefix_evictions = counter(
+            "workbench:prefix_cache_evictions",
+            "Prefix-cached free KV blocks evicted (handed out for new content) under --prefix-cache-eviction (blocks).",
+        )
+        self.evicted_age = self._histogram(
+            "workbench:prefix_cache_evicted_block_age_steps",
+            "Age of each evicted prefix-cached block: engine steps from its free to its eviction (steps).",
+            EVICTED_AGE_BUCKETS,
+        )
         self.blocks_total = gauge("workbench:kv_blocks_total", "KV blocks in the pool (blocks).")
         self.block_size = gauge("workbench:kv_block_size_tokens", "Tokens per KV block (tokens).")
         self.kv_bytes_per_token = gauge(
@@ -362,6 +374,9 @@ class PrometheusSink:
         self.preemptions.inc(s.num_preemptions)
         self.prefix_queries.inc(s.prefix_cache_queries)
         self.prefix_hits.inc(s.prefix_cache_hits)
+        self.prefix_evictions.inc(s.prefix_cache_evictions)
+        for age in s.evicted_block_ages_steps:
+            self.evicted_age.observe(age)
         self.iteration_tokens.observe(s.num_prefill_tokens + s.num_decode_tokens)
         block_bytes = s.block_size * s.kv_bytes_per_token
         self.swap_bytes["out"].inc(s.swap_out_blocks * block_bytes)

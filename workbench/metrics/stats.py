@@ -7,6 +7,7 @@ ITL = the gaps between consecutive output tokens; e2e = finish - arrival.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from workbench.request import Request
@@ -58,6 +59,11 @@ class StepStats:
     num_cached_free_blocks: int = 0  # free blocks still holding a prefix-cached block
     prefix_cache_queries: int = 0  # prompt tokens looked up this step (first admissions only)
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
+    #: prefix-cached free blocks evicted (handed out for new content) this step, and the age of each: engine
+    #: steps from the step its last owner freed it to this one (0 = freed and evicted in the same step); the
+    #: policy is ``prefix_cache_eviction`` (workbench.allocators.eviction)
+    prefix_cache_evictions: int = 0
+    evicted_block_ages_steps: list[int] = field(default_factory=list)
     # tensor parallelism (rank 0's collectives this step; workbench.comm.CommStats): payload bytes
     # per rank, seconds in collectives (waiting for the slowest rank included); 0 on one device
     allreduce_bytes: int = 0
@@ -80,6 +86,8 @@ def step_stats(step: int, times: tuple, out, scheduler, kv, kv_bytes_per_token: 
         comm: the step's collectives (anything with ``to_dict()``), or ``None``.
     """
     n_prefill = out.num_prefill_reqs
+    policy = getattr(getattr(kv, "pool", None), "policy", None)  # the paged manager's eviction policy
+    ages = policy.take_evicted_ages(step + 1) if policy is not None else []
     free_blocks = kv.num_free_blocks
     return StepStats(
         *(step, *times),
@@ -112,8 +120,30 @@ def step_stats(step: int, times: tuple, out, scheduler, kv, kv_bytes_per_token: 
         num_cached_free_blocks=len(kv.cached_free_blocks()) if kv.enable_prefix_caching else 0,
         prefix_cache_queries=out.prefix_cache_queries,
         prefix_cache_hits=out.prefix_cache_hits,
+        prefix_cache_evictions=len(ages),
+        evicted_block_ages_steps=ages,
         **(comm.to_dict() if comm is not None else {}),
     )
+
+
+def prefix_cache_summary(steps: list[dict]) -> dict[str, float | int | None]:
+    """A run's prefix-cache figures from its step records (``StepStats.to_dict()`` s): ``prefix_cache_queries_total``
+    and ``prefix_cache_hits_total`` (prompt tokens looked up / served from the cache, first admissions),
+    ``prefix_cache_hit_rate_frac`` (hits / queries, 0..1; ``None`` without queries),
+    ``prefix_cache_evictions_total`` (blocks), ``evicted_block_age_mean_steps`` and ``evicted_block_age_p50_steps``
+    (engine steps from a block's free to its eviction; median by ``statistics.median``; ``None`` without evictions).
+    """
+    queries = sum(s.get("prefix_cache_queries", 0) for s in steps)
+    hits = sum(s.get("prefix_cache_hits", 0) for s in steps)
+    ages = [a for s in steps for a in s.get("evicted_block_ages_steps") or ()]
+    return {
+        "prefix_cache_queries_total": queries,
+        "prefix_cache_hits_total": hits,
+        "prefix_cache_hit_rate_frac": hits / queries if queries else None,
+        "prefix_cache_evictions_total": sum(s.get("prefix_cache_evictions", 0) for s in steps),
+        "evicted_block_age_mean_steps": statistics.fmean(ages) if ages else None,
+        "evicted_block_age_p50_steps": statistics.median(ages) if ages else None,
+    }
 
 
 @dataclass

@@ -549,6 +549,12 @@ SUMMARY_LABELS: dict[str, str] = {
     "simulated_duration_s": "simulated duration (s)",
     "replay_wall_s": "replay took, this machine (s)",
     "request_throughput_req_s": "request throughput (req/s)",
+    "prefix_cache_queries_total": "prefix-cache queries (prompt tokens)",
+    "prefix_cache_hits_total": "prefix-cache hits (prompt tokens)",
+    "prefix_cache_hit_rate_frac": "prefix-cache hit rate (share of prompt tokens)",
+    "prefix_cache_evictions_total": "prefix-cache evictions (blocks)",
+    "evicted_block_age_mean_steps": "evicted block age, mean (engine steps)",
+    "evicted_block_age_p50_steps": "evicted block age, median (engine steps)",
 }
 _LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "end-to-end latency"}
 _CATEGORY_NAMES = {key: label for key, label, _ in MEMORY_CATEGORIES}
