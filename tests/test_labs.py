@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _lab_contexts_arch
 import _lab_contexts_multigpu
 import _lab_contexts_tuning
 import pytest
@@ -82,7 +83,7 @@ WRONG = {
     "6.1": [lambda n, p, b: n * (p // b), lambda n, p, b: (n - 1) * p / b],
     "6.2": [4, 0],
 }
-for _stage3 in (_lab_contexts_tuning, _lab_contexts_multigpu):  # chapters 7-10
+for _stage3 in (_lab_contexts_tuning, _lab_contexts_multigpu, _lab_contexts_arch):  # chapters 7-10, 14
     CONTEXTS.update(_stage3.CONTEXTS)
     WRONG.update(_stage3.WRONG)
 
@@ -231,6 +232,7 @@ def test_binder_installs_what_the_labs_need():
         "08_chunked_prefill.ipynb",
         "09_tensor_parallelism.ipynb",
         "10_nccl_buffers.ipynb",
+        "14_memory_beside_kv.ipynb",
     ]
 
 

@@ -38,6 +38,24 @@ connection:
 It leaves out what does not scale with these knobs (the communicator's work FIFO, proxy
 state, the CUDA context itself); on CUDA the engine measures instead of modelling
 (:mod:`workbench.executor.tensor_parallel`), and that measurement includes them.
+
+**Custom all-reduce model** (:func:`custom_all_reduce_bytes`): the IPC buffers of a one-shot /
+two-shot all-reduce that reads the peers' memory over NVLink, as vLLM's ``CustomAllreduce``
+(``vllm/distributed/device_communicators/custom_all_reduce.py``; its kernels in
+``csrc/custom_all_reduce.cuh``). Each rank allocates, before the memory profile:
+
+* a metadata buffer of ``meta_size() + max_size`` bytes (the synchronisation ``Signal`` and a
+  temporary buffer for the two-shot algorithm's intermediate results), shared over CUDA IPC;
+* a data buffer of ``max_size`` bytes (eager-mode inputs are copied into it), shared over IPC;
+* ``rank_data``, 8 MiB of device memory for the tables of registered peer pointers.
+
+``max_size`` is 8 MiB (``8192 * 1024``, the constructor's default); an all-reduce whose message
+is ``max_size`` bytes or more goes to NCCL. ``meta_size()`` is ``sizeof(vllm::Signal)``: two
+``[36][8]`` ``uint32`` flag arrays and one ``[36]``, each aligned to 128 B = 2,560 B. The peers'
+buffers a rank maps over IPC are the peers' memory, not its own. vLLM enables it for groups of
+2, 4, 6 or 8 ranks on one node, and for more than two only when every pair is connected by
+NVLink ("not supported on more than two PCIe-only GPUs"); ``disable_custom_all_reduce=True``
+(an engine argument) turns it off and its buffers with it.
 """
 
 from __future__ import annotations
@@ -196,6 +214,87 @@ def nccl_buffer_bytes(
         per_connection_bytes=per_conn,
         per_rank_bytes=per_rank,
         total_bytes=per_rank * group_size,
+    )
+
+
+#: vLLM ``CustomAllreduce``'s default ``max_size`` (bytes): larger all-reduces go to NCCL.
+CUSTOM_AR_MAX_SIZE = 8192 * 1024
+#: ``sizeof(vllm::Signal)`` (``ops.meta_size()``): start[36][8], end[36][8], _flag[36] uint32, 128-B aligned.
+CUSTOM_AR_META_BYTES = 2 * 36 * 8 * 4 + 256
+#: ``rank_data``: device memory for the registered buffers' peer-pointer tables (8 MiB in vLLM).
+CUSTOM_AR_RANK_DATA_BYTES = 8 * 1024 * 1024
+#: group sizes vLLM's custom all-reduce supports (``CustomAllreduce._SUPPORTED_WORLD_SIZES``).
+CUSTOM_AR_WORLD_SIZES = (2, 4, 6, 8)
+
+
+@dataclass(frozen=True)
+class CustomAllReduceEstimate:
+    """One rank's custom all-reduce buffers, in bytes (the module docstring has the sources).
+
+    Attributes:
+        enabled: whether the group would run it; ``reason``: why not, in vLLM's words, when it would not.
+        meta_bytes: ``meta_size() + max_size`` (the shared signal + temporary buffer).
+        buffer_bytes: ``max_size`` (the shared eager-mode input buffer).
+        rank_data_bytes: the peer-pointer tables (8 MiB).
+        per_rank_bytes: their sum, 0 when not enabled.
+    """
+
+    group_size: int
+    enabled: bool
+    reason: str
+    max_size: int
+    meta_bytes: int
+    buffer_bytes: int
+    rank_data_bytes: int
+    per_rank_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def custom_all_reduce_bytes(
+    group_size: int,
+    fully_connected: bool = True,
+    disabled: bool = False,
+    max_size: int | None = None,
+) -> CustomAllReduceEstimate:
+    """Device memory one rank's custom all-reduce holds (vLLM's ``CustomAllreduce``; module docstring).
+
+    Args:
+        group_size: ranks in the tensor-parallel group (one node).
+        fully_connected: every pair of GPUs has an NVLink path (NVLink / NVSwitch); ``False`` = PCIe.
+        disabled: ``disable_custom_all_reduce=True``.
+        max_size: the largest message it takes (bytes; default 8 MiB).
+
+    Raises:
+        ValueError: ``group_size < 1`` or ``max_size`` not a positive multiple of 16 bytes (the kernels
+            move 16-byte packets).
+    """
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be an integer >= 1 (ranks)")
+    size = CUSTOM_AR_MAX_SIZE if max_size is None else max_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size % 16:
+        raise ValueError(f"max_size={size!r} must be a positive multiple of 16 bytes, e.g. {CUSTOM_AR_MAX_SIZE}")
+    reason = ""
+    if disabled:
+        reason = "disable_custom_all_reduce=True"
+    elif group_size == 1:
+        reason = "one rank: nothing to reduce"
+    elif group_size not in CUSTOM_AR_WORLD_SIZES:
+        reason = f"unsupported world size {group_size} (supported: {', '.join(map(str, CUSTOM_AR_WORLD_SIZES))})"
+    elif group_size > 2 and not fully_connected:
+        reason = "not supported on more than two PCIe-only GPUs"
+    on = not reason
+    meta, buf, rank_data = CUSTOM_AR_META_BYTES + size, size, CUSTOM_AR_RANK_DATA_BYTES
+    return CustomAllReduceEstimate(
+        group_size=group_size,
+        enabled=on,
+        reason=reason,
+        max_size=size,
+        meta_bytes=meta if on else 0,
+        buffer_bytes=buf if on else 0,
+        rank_data_bytes=rank_data if on else 0,
+        per_rank_bytes=meta + buf + rank_data if on else 0,
     )
 
 

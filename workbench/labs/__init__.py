@@ -11,7 +11,9 @@
 - :mod:`workbench.labs.chunked` — chapter 8: chunked prefill and the ITL / TTFT trade-off;
 - :mod:`workbench.labs.tensor_parallel` — chapter 9: tensor parallelism, real and simulated;
 - :mod:`workbench.labs.nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
-  (what both share: :mod:`workbench.labs.multigpu_common`).
+  (what both share: :mod:`workbench.labs.multigpu_common`);
+- :mod:`workbench.labs.rank_memory` — chapter 14: memory beside the KV cache on every rank (measured on
+  a TP=3 engine, modelled for 4-8 GPUs, a slider panel).
 
 The chapter modules are loaded on first use (``labs.sweep`` works after ``from workbench import labs``).
 """
@@ -34,7 +36,16 @@ __all__ = [
 
 
 #: chapter modules, imported on first use (they import plotly, widgets, the simulator)
-_MODULES = ("chapters", "chunked", "multigpu_common", "nccl_buffers", "panel", "sweep", "tensor_parallel")
+_MODULES = (
+    "chapters",
+    "chunked",
+    "multigpu_common",
+    "nccl_buffers",
+    "panel",
+    "rank_memory",
+    "sweep",
+    "tensor_parallel",
+)
 
 
 def __getattr__(name):  # the panel imports ipywidgets: only when asked for

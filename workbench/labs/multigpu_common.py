@@ -69,6 +69,7 @@ def sim_run_row(
     interconnect: str | None = None,
     tensor_parallel_size: int = 4,
     trace=None,
+    spec: dict[str, Any] | None = None,
     **engine_args: Any,
 ) -> dict[str, Any]:
     """One simulator run (:func:`workbench.sim.run.simulate_job`, nothing written) and its figures.
@@ -78,6 +79,7 @@ def sim_run_row(
             ``"NVLink"`` or ``"PCIe"`` (:func:`sim_hardware`).
         tensor_parallel_size: GPUs the model is split over.
         trace: requests (default :func:`burst_trace`).
+        spec: further :class:`~workbench.sim.SimSpec` fields (``activation_bytes``, ``custom_all_reduce``).
         **engine_args: engine arguments (``block_size``, ``max_num_seqs``, ``nccl_buffsize``,
             ``nccl_min_nchannels``, ``nccl_max_nchannels``, ``nccl_proto``, ...); ``max_model_len``
             defaults to 4096, ``max_num_seqs`` to 256.
@@ -101,7 +103,8 @@ def sim_run_row(
     hw = sim_hardware(gpu, interconnect or _own_link(gpu))
     trace = trace if trace is not None else burst_trace()
     args = {"max_model_len": 4096, "max_num_seqs": 256} | engine_args
-    res = simulate_job(SimSpec(MODELS[model], hw, tensor_parallel_size), trace, output_dir=None, **args)
+    sim_spec = SimSpec(MODELS[model], hw, tensor_parallel_size, **(spec or {}))
+    res = simulate_job(sim_spec, trace, output_dir=None, **args)
     steps = res.engine.recorder.steps
     wall = sum(s.wall_time_s for s in steps)
     comm = sum(s.comm_time_s for s in steps)

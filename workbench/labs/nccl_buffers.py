@@ -157,15 +157,17 @@ def buffer_figure(
     return fig
 
 
-def sim_budget(model: str, gpu: str, tensor_parallel_size: int, **engine_args: Any):
-    """The simulated engine's memory budget (``MemoryBudget``; buffers from the ``nccl_*`` arguments)."""
+def sim_budget(model: str, gpu: str, tensor_parallel_size: int, spec: dict[str, Any] | None = None, **engine_args: Any):
+    """The simulated engine's memory budget (``MemoryBudget``; buffers from the ``nccl_*`` arguments;
+    ``spec``: further :class:`~workbench.sim.SimSpec` fields, e.g. ``custom_all_reduce``)."""
     from workbench.catalog import MODELS
     from workbench.config import EngineConfig
     from workbench.sim import SimEngine, SimSpec
 
     args = {"max_model_len": 4096, "max_num_seqs": 256} | engine_args
     eng = SimEngine(
-        EngineConfig(**args), SimSpec(MODELS[model], sim_hardware(gpu, _own_link(gpu)), tensor_parallel_size)
+        EngineConfig(**args),
+        SimSpec(MODELS[model], sim_hardware(gpu, _own_link(gpu)), tensor_parallel_size, **(spec or {})),
     )
     return eng.memory
 

@@ -112,6 +112,10 @@ class SimSpec:
             estimate of one forward at ``max_num_batched_tokens`` (``kv-calc --activation-reserve
             estimate``: :func:`workbench.memory.activation_peak_bytes`).
         nccl_nchannels: channels of the NCCL buffer model (``None``: its default).
+        custom_all_reduce: the group also holds a custom all-reduce's IPC buffers, as vLLM's
+            (:func:`workbench.comm.custom_all_reduce_bytes`: 24 MiB per rank where vLLM would
+            enable it — 2, 4, 6 or 8 ranks, NVLink for more than two); ``False`` = as vLLM with
+            ``disable_custom_all_reduce=True``. Counted with the communication buffers.
     """
 
     arch: ModelArch
@@ -122,6 +126,7 @@ class SimSpec:
     efficiency: Efficiency = field(default_factory=Efficiency)
     activation_bytes: int | None = None
     nccl_nchannels: int | None = None
+    custom_all_reduce: bool = False
 
 
 class SimClock:
@@ -200,7 +205,7 @@ class SimulatedExecutor:
             block_size=config.block_size,
             max_model_len=max_model_len,
             activation_bytes=activation,
-            comm_buffer_bytes=comm_buffer_bytes(tp, spec.nccl_nchannels, config),
+            comm_buffer_bytes=comm_buffer_bytes(tp, spec.nccl_nchannels, config) + self._custom_ar_bytes(),
             num_gpu_blocks_override=config.num_gpu_blocks_override,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             tensor_parallel_size=tp,
@@ -210,6 +215,15 @@ class SimulatedExecutor:
             source="simulated" if mb.source == "cpu device_memory" else mb.source,
             device_name=f"{tp} x {spec.hardware.name}" if tp > 1 else spec.hardware.name,
         )
+
+    def _custom_ar_bytes(self) -> int:
+        """One rank's custom all-reduce buffers (0 unless ``SimSpec.custom_all_reduce``)."""
+        if not self.spec.custom_all_reduce:
+            return 0
+        from workbench.comm import custom_all_reduce_bytes
+
+        nvlink = self.spec.hardware.interconnect == "NVLink"
+        return custom_all_reduce_bytes(self.spec.tensor_parallel_size, fully_connected=nvlink).per_rank_bytes
 
     def check_fits(self, memory: MemoryBudget, num_cpu_blocks: int) -> None:
         """The simulated device holds its own budget: nothing is allocated here."""
