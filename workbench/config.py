@@ -43,6 +43,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton-interpret")  # see work
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
 PREFIX_CACHE_EVICTIONS = ("lru", "fifo", "lfu")  # see workbench.allocators.eviction
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # and the aliases of resolve_dtype
+KV_DEFRAG_TRIGGERS = ("none", "fragmentation", "waiting", "highest-block")  # see workbench.allocators.defrag
 
 
 def arg(default, help: str, *, choices: tuple | None = None, minimum=None, maximum=None, cli: dict | bool = True, **kw):
@@ -125,6 +126,16 @@ class EngineConfig:
         choices=KV_ALLOCATORS,
         cli={"plugins": True},
     )
+    kv_defrag_trigger: str = arg(
+        "none",
+        "compact the KV pool by block moves: never | when the fragmentation rate > threshold | when a request waits "
+        "on external fragmentation | when highest used block id + 1 - used blocks > threshold (Intel Gaudi's rule)",
+        choices=KV_DEFRAG_TRIGGERS,
+    )
+    kv_defrag_threshold: float | None = arg(
+        None, "fragmentation: a rate, 0..1 [0.5]; highest-block: blocks [32]", minimum=0
+    )
+    kv_defrag_max_moves: int = arg(512, "most block moves in one compaction pass", minimum=1)
     batching_policy: str = arg(
         "continuous",
         "continuous (iteration-level) or static / length-grouped batches that wait for their longest member",
@@ -232,6 +243,8 @@ class EngineConfig:
                 f"kv_cache_memory_bytes={kvb} and num_gpu_blocks_override={ngb} both set the KV pool's size; "
                 "give only one of them"
             )
+        if self.kv_defrag_trigger == "fragmentation" and (self.kv_defrag_threshold or 0) > 1:
+            raise ValueError(f"kv_defrag_threshold={self.kv_defrag_threshold} must be a rate in [0, 1] here; e.g. 0.5")
         if self.kv_allocator != "paged":
             clash = [
                 name

@@ -19,12 +19,13 @@ from dataclasses import replace
 
 import torch
 
+from workbench.allocators.defrag import Defragmenter
 from workbench.attention.backend import check_backend
 from workbench.config import EngineConfig
 from workbench.executor import make_executor
-from workbench.inputs import Prompt, tokenize_prompt
+from workbench.inputs import Prompt, prompt_refusal, tokenize_prompt
 from workbench.kv import make_kv_manager, plugin_class
-from workbench.memory import MemoryBudget, swap_pool_blocks
+from workbench.memory import MemoryBudget, resolve_lengths, swap_pool_blocks
 from workbench.metrics import Recorder, request_record
 from workbench.metrics.accounting import PoolAccounting, block_map
 from workbench.metrics.stats import step_stats
@@ -36,33 +37,6 @@ from workbench.sampling import SamplingParams
 from workbench.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("workbench")
-
-
-def resolve_lengths(config: EngineConfig, model_max: int, whose: str) -> tuple[int, int]:
-    """``(max_model_len, max_num_batched_tokens)`` in tokens, with vLLM's defaults: the model's
-    ``max_position_embeddings`` (at most ``DEFAULT_MAX_MODEL_LEN``), and a token budget of
-    ``max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)`` with chunked prefill, else
-    ``max(max_model_len, max_num_seqs)``.
-
-    Raises:
-        ValueError: ``max_model_len`` beyond ``model_max`` (``whose`` names the model in the message).
-    """
-    if config.max_model_len is None:
-        max_model_len = min(model_max, EngineConfig.DEFAULT_MAX_MODEL_LEN)
-    elif config.max_model_len > model_max:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds {whose} max_position_embeddings={model_max}; "
-            f"use max_model_len <= {model_max}"
-        )
-    else:
-        max_model_len = config.max_model_len
-    if config.max_num_batched_tokens is not None:
-        budget = config.max_num_batched_tokens
-    elif config.enable_chunked_prefill:
-        budget = max(EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
-    else:
-        budget = max(max_model_len, config.max_num_seqs)
-    return max_model_len, budget
 
 
 class LLMEngine:
@@ -124,6 +98,7 @@ class LLMEngine:
         ex.init_cache(self.memory.num_blocks, num_cpu_blocks)
         #: the KV pool's split, step by step, settled when requests release their blocks
         self.accounting = PoolAccounting(self.kv)
+        self.defrag = Defragmenter.from_config(config, self.kv, self.memory.block_bytes, self.accounting)
         self.requests: dict[str, Request] = {}  # every unfinished sequence, by its own id
         self.groups: dict[str, list[Request]] = {}  # the user's request id -> its n sequences
         self._refused: list[Request] = []
@@ -198,7 +173,7 @@ class LLMEngine:
             sp = replace(sp, max_tokens=cap, min_tokens=min(sp.min_tokens, cap))
         arrival = self.clock() if arrival_time is None else arrival_time
         group = self._make_group(request_id, ids, text, sp, arrival, priority)
-        error = self._refusal(len(ids))
+        error = prompt_refusal(len(ids), self.max_model_len, self.kv.pool_tokens)
         if error:
             for child in group:
                 child.error = error
@@ -241,21 +216,6 @@ class LLMEngine:
         self.groups[request_id] = group
         return group
 
-    def _refusal(self, n: int) -> str | None:
-        """Why a prompt of ``n`` tokens can never run here, or ``None``."""
-        if n >= self.max_model_len:
-            return (
-                f"prompt has {n} tokens but max_model_len={self.max_model_len} leaves room for at most "
-                f"{self.max_model_len - 1} prompt tokens (one is needed for the output); shorten the prompt "
-                "or raise max_model_len"
-            )
-        if n + 1 > self.kv.pool_tokens:
-            return (
-                f"prompt has {n} tokens but the KV pool holds {self.kv.pool_tokens} tokens; shorten the prompt "
-                "or give the KV cache more memory"
-            )
-        return None
-
     def abort(self, request_id: str) -> None:
         """End a request in any state (waiting, running, swapped out), releasing everything it holds.
 
@@ -278,6 +238,10 @@ class LLMEngine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def compact(self, max_moves: int | None = None):
+        """One KV compaction pass now, between steps (admin); its ``DefragPass``, or ``None`` if nothing moved."""
+        return self.defrag.compact(max_moves, lambda c: self.executor.copy_blocks([], c, []), self.scheduler.waiting)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._refused)
 
@@ -295,6 +259,7 @@ class LLMEngine:
         self._refused = []
         t_start = self.clock()
         out = self.scheduler.schedule()
+        self.defrag.after_schedule(out, self.scheduler)  # a compaction pass's moves join the step's block copies
         t_sched = self.clock()
         if out.is_empty and self.scheduler.waiting and not self.scheduler.running:
             # cannot happen while the pool holds one max_model_len sequence (checked at startup);
@@ -329,7 +294,7 @@ class LLMEngine:
         usage, computed = self.accounting.observe(self.requests, cell, need, want_map)
         times = (t_start - self.start_time, t_end - t_start, sched_s, result.model_time_s, result.sample_time_s)
         kv_bpt = self.memory.kv_bytes_per_token
-        st = cell[0] = step_stats(self._step, times, out, scheduler, kv, kv_bpt, usage, len(finished), result.comm)
+        st = cell[0] = step_stats(self._step, times, out, scheduler, kv, kv_bpt, usage, len(finished), result)
         self._step += 1
         self.accounting.settle_released()
         if want_map:

@@ -93,3 +93,20 @@ def tokenize_prompt(tokenizer, vocab_size: int, prompt: Prompt) -> tuple[list[in
         text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False), text
     return check_token_ids(prompt, vocab_size), None
+
+
+def prompt_refusal(n: int, max_model_len: int, pool_tokens: int) -> str | None:
+    """Why a prompt of ``n`` tokens can never run on an engine with ``max_model_len`` and a KV pool of
+    ``pool_tokens`` slots (the error its request ends with), or ``None``."""
+    if n >= max_model_len:
+        return (
+            f"prompt has {n} tokens but max_model_len={max_model_len} leaves room for at most "
+            f"{max_model_len - 1} prompt tokens (one is needed for the output); shorten the prompt "
+            "or raise max_model_len"
+        )
+    if n + 1 > pool_tokens:
+        return (
+            f"prompt has {n} tokens but the KV pool holds {pool_tokens} tokens; shorten the prompt "
+            "or give the KV cache more memory"
+        )
+    return None

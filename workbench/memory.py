@@ -36,6 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from workbench.config import EngineConfig
+
 log = logging.getLogger("workbench")
 
 
@@ -520,3 +522,30 @@ def engine_budget(
         tensor_parallel_size=c.tensor_parallel_size,
         comm_buffer_bytes=comm_buffer_bytes,
     )
+
+
+def resolve_lengths(config: EngineConfig, model_max: int, whose: str) -> tuple[int, int]:
+    """``(max_model_len, max_num_batched_tokens)`` in tokens, with vLLM's defaults: the model's
+    ``max_position_embeddings`` (at most ``DEFAULT_MAX_MODEL_LEN``), and a token budget of
+    ``max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)`` with chunked prefill, else
+    ``max(max_model_len, max_num_seqs)``.
+
+    Raises:
+        ValueError: ``max_model_len`` beyond ``model_max`` (``whose`` names the model in the message).
+    """
+    if config.max_model_len is None:
+        max_model_len = min(model_max, EngineConfig.DEFAULT_MAX_MODEL_LEN)
+    elif config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds {whose} max_position_embeddings={model_max}; "
+            f"use max_model_len <= {model_max}"
+        )
+    else:
+        max_model_len = config.max_model_len
+    if config.max_num_batched_tokens is not None:
+        budget = config.max_num_batched_tokens
+    elif config.enable_chunked_prefill:
+        budget = max(EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+    else:
+        budget = max(max_model_len, config.max_num_seqs)
+    return max_model_len, budget

@@ -66,12 +66,14 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     #: ``(cpu_block, device_block)`` copies to make before the forward (swapped requests resumed)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    #: ``(src, dst)`` device block copies (copy-on-write), made after swap-out, before swap-in
+    #: ``(src, dst)`` device block copies (copy-on-write, then compaction), made after swap-out, before swap-in
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     #: prompt tokens looked up in the prefix cache at first admission, and those found
     #: (re-admissions after preemption are not counted)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: what KV compaction did this step (``workbench.allocators.defrag.DefragStep``; its moves end block_copies)
+    defrag: object | None = None
 
     @property
     def total_tokens(self) -> int:

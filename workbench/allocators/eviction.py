@@ -126,13 +126,24 @@ class EvictionPolicy(ABC):
             RuntimeError: the policy chose a block that is not free (a bug in the policy).
         """
         b = self.victim()
-        if self.free.pop(b, 0) is not None:
+        if b not in self.free:
             raise RuntimeError(f"{type(self).__name__}.victim() chose block {b}, which is not free")
-        if self.is_cached[b]:
-            self.evicted_ages.append(self.step - self.freed_step[b])
-            self.is_cached[b] = False
-        self.hits[b] = 0
+        self.take(b)
         return b
+
+    def take(self, block_id: int) -> None:
+        """Take the free ``block_id`` off the free set, chosen by the caller (:meth:`pop`, or a block move's
+        destination, :func:`workbench.allocators.moves.move_paged`); an eviction if it held cached content."""
+        del self.free[block_id]
+        if self.is_cached[block_id]:
+            self.evicted_ages.append(self.step - self.freed_step[block_id])
+            self.is_cached[block_id] = False
+        self.hits[block_id] = 0
+
+    def moved(self, src: int, dst: int) -> None:
+        """A live block's content moved from ``src`` to ``dst`` (compaction): its figures (hits, when it was
+        cached) follow it, so a move changes no policy's order."""
+        self.hits[dst], self.cached_seq[dst] = self.hits[src], self.cached_seq[src]
 
     def check_invariants(self, ref_cnt: list[int], block_hash: list, cached: dict) -> None:
         """Assert that the pool's state and the policy's agree (for tests): no reference count below 0, a block is
@@ -196,10 +207,9 @@ class KeyedPolicy(EvictionPolicy):
                 return b
             heapq.heappop(self._heap)  # taken by a hit since, or freed again under a newer entry
 
-    def pop(self) -> int:
-        b = super().pop()
-        self.empty.pop(b, None)
-        return b
+    def take(self, block_id: int) -> None:
+        super().take(block_id)
+        self.empty.pop(block_id, None)
 
     def hit(self, block_id: int) -> None:
         super().hit(block_id)

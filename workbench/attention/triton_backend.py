@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import load_triton
+from workbench.allocators.moves import copy_rounds
 from workbench.attention.torch_ref import AttentionMetadata
 
 
@@ -127,8 +128,8 @@ class TritonBackend:
             src, dst = ids(swap_out, 0, dev), ids(swap_out, 1, "cpu")
             for gpu, cpu in zip(gpu_caches, cpu_caches):
                 cpu[:, dst] = ops.gather_blocks(gpu, src, **self._mode).to("cpu")
-        if copies:
-            src, dst = ids(copies, 0, dev), ids(copies, 1, dev)
+        for r in copy_rounds(copies, parallel=True):  # its programs run in no set order: no overlap in a round
+            src, dst = ids(r, 0, dev), ids(r, 1, dev)
             for gpu in gpu_caches:
                 ops.copy_blocks(gpu, src, dst, **self._mode)
         if swap_in:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workbench.allocators.moves import copy_rounds
 from workbench.attention import AttentionMetadata, DecodeGroup, get_backend
 from workbench.config import EngineConfig
 from workbench.kv.interface import KVManager
@@ -32,6 +33,7 @@ class ModelRunnerOutput:
     Attributes:
         sampled: request id -> the token it sampled (requests that reached their last token).
         model_time_s, sample_time_s: seconds of input preparation, block copies and the forward; of sampling.
+        copy_time_s: of ``model_time_s``, seconds of the step's block copies (swap, copy-on-write, compaction).
         overhead_s: seconds the executor attributes to the engine's own per-step work (a simulated executor's
             modelled overhead; 0 for a real one, whose engine measures it).
         comm: the step's collectives (``to_dict()`` gives StepStats' communication fields), or ``None``.
@@ -46,6 +48,7 @@ class ModelRunnerOutput:
     comm: object | None = None
     logprobs: dict | None = None
     prompt_logprobs: dict | None = None
+    copy_time_s: float = 0.0
 
 
 @dataclass
@@ -163,7 +166,7 @@ class ModelRunner:
         self, swap_out: list[tuple[int, int]], copies: list[tuple[int, int]], swap_in: list[tuple[int, int]]
     ) -> None:
         """Block copies of one step, in this order: device -> CPU (swap out), device -> device (copy-on-write),
-        CPU -> device (swap in). Each pair is ``(src, dst)`` block ids."""
+        CPU -> device (swap in). Each pair is ``(src, dst)`` block ids; device copies run in list order."""
         if self.attn_backend.name != "torch":  # the Triton gather / copy / scatter kernels
             self.attn_backend.copy_blocks(self.kv_caches, self.cpu_caches, swap_out, copies, swap_in)
             return
@@ -174,8 +177,8 @@ class ModelRunner:
         for layer, gpu in enumerate(self.kv_caches):
             if swap_out:
                 self.cpu_caches[layer][:, idx(swap_out, 1, "cpu")] = gpu[:, idx(swap_out, 0, gpu.device)].to("cpu")
-            if copies:
-                gpu[:, idx(copies, 1, gpu.device)] = gpu[:, idx(copies, 0, gpu.device)]
+            for r in copy_rounds(copies):  # in list order (workbench.allocators.moves)
+                gpu[:, idx(r, 1, gpu.device)] = gpu[:, idx(r, 0, gpu.device)]
             if swap_in:
                 gpu[:, idx(swap_in, 1, gpu.device)] = self.cpu_caches[layer][:, idx(swap_in, 0, "cpu")].to(gpu.device)
 
@@ -233,8 +236,11 @@ class ModelExecutor:
         comm0 = self.stats.copy() if self.stats is not None else None
         if out.swap_out or out.block_copies or out.swap_in:
             self.copy_blocks(out.swap_out, out.block_copies, out.swap_in)
+            if self.device.type == "cuda":  # the copies are timed on their own
+                torch.cuda.synchronize(self.device)
+        copy_s = time.perf_counter() - t0
         if out.is_empty:
-            return ModelRunnerOutput({}, time.perf_counter() - t0)
+            return ModelRunnerOutput({}, copy_s, copy_time_s=copy_s)
         inp = prepare_inputs(out, kv, self.device)
         logits = self.execute_model(inp)
         t1 = time.perf_counter()
@@ -243,7 +249,7 @@ class ModelExecutor:
         lps = step_logprobs(logits, reqs, toks, inp.prompt_rows) if inp.prompt_rows or any_logprobs(reqs) else (None,)
         comm = self.stats.since(comm0) if comm0 is not None else None
         sampled = {r.request_id: t for r, t in zip(reqs, toks)}
-        return ModelRunnerOutput(sampled, t1 - t0, time.perf_counter() - t1, 0, comm, *lps)
+        return ModelRunnerOutput(sampled, t1 - t0, time.perf_counter() - t1, 0, comm, *lps, copy_time_s=copy_s)
 
     def shutdown(self) -> None:
         """Release what the executor holds (worker processes); idempotent."""

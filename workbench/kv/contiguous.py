@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from bisect import insort
 
+from workbench.allocators.moves import move_contiguous
 from workbench.kv.interface import KVManager
 from workbench.kv.manager import cdiv
 
@@ -169,6 +170,10 @@ class ContiguousKVCacheManager(KVManager):
         if table:
             self.regions = [r for r in self.regions if r[2] != request_id]
             self._used_blocks -= len(table)
+
+    def move_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Move whole regions (compaction; :func:`~workbench.allocators.moves.move_contiguous`)."""
+        move_contiguous(self, moves)
 
     def forget(self, request_id: str) -> None:
         """Drop the request's declared reservation (it has ended)."""

@@ -97,9 +97,15 @@ class KVManager(ABC):
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        """``(src, dst)`` device block copies queued since the last call (copy-on-write); the
-        scheduler hands them to the executor with the step."""
-        return []
+        """``(src, dst)`` device block copies queued since the last call, in order (copy-on-write, then moves);
+        the scheduler hands them to the executor with the step."""
+        copies, self.pending_copies = getattr(self, "pending_copies", []), []
+        return copies
+
+    def move_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Relocate live blocks ``(src, dst)`` in list order, rewriting block tables and queueing the copies (rules:
+        :mod:`workbench.allocators.moves`). Raises ``NotImplementedError`` where unsupported (the default)."""
+        raise NotImplementedError(f"kv_allocator={self.name!r} cannot move blocks: compaction is unsupported")
 
     # ---------------------------------------------------- reservation (contiguous)
     def declare(

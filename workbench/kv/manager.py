@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from workbench.allocators.moves import move_paged
 from workbench.kv.block_pool import BlockPool
 from workbench.kv.interface import KVManager
 
@@ -110,9 +111,9 @@ class KVCacheManager(KVManager):
     def may_share_blocks(self) -> bool:
         return self.pool.ever_shared
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
+    def move_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Relocate live blocks, with their reference counts and prefix-cache hashes (:func:`move_paged`)."""
+        move_paged(self, moves)
 
     def cached_free_blocks(self) -> list[int]:
         return self.pool.cached_free_blocks()

@@ -187,6 +187,8 @@ class PoolAccounting:
         #: request id -> (request, most slots it can write, [([StepStats], slots held, slots written)])
         self.holding: dict[str, tuple[object, int, list]] = {}
         self._num_seen = 0
+        #: the split at the last :meth:`observe` (the step-time figures; ``None`` before the first step)
+        self.last_usage: KVUsage | None = None
 
     def observe(self, requests: Mapping, step_cell: list, waiting_need_blocks: int, want_computed: bool):
         """Walk the block tables once after a step: the split, and each holder's entry for settling.
@@ -237,7 +239,9 @@ class PoolAccounting:
         self._num_seen = num_seen
         if dedupe:
             token_states = shared_token_states(kv, computed)
-        usage = usage_from_sums(kv, token_states, unwritten, external_free_slots(kv, waiting_need_blocks))
+        usage = self.last_usage = usage_from_sums(
+            kv, token_states, unwritten, external_free_slots(kv, waiting_need_blocks)
+        )
         return usage, computed
 
     def settle_released(self) -> None:

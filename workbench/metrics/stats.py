@@ -71,23 +71,35 @@ class StepStats:
     broadcast_bytes: int = 0  # the step's inputs sent to the other ranks
     num_collectives: int = 0
     comm_time_s: float = 0.0  # part of model_time_s
+    # KV compaction (workbench.allocators.defrag): passes run for this step (by trigger after scheduling, or
+    # between steps by LLMEngine.compact), blocks and bytes they moved, waiting requests admitted this step that no
+    # free run held at the previous pass; seconds of all the step's block copies (swap, copy-on-write, moves;
+    # part of model_time_s) plus those of passes run between steps
+    defrag_passes: int = 0
+    defrag_blocks_moved: int = 0
+    defrag_bytes_moved: int = 0
+    defrag_unblocked: int = 0
+    copy_time_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def step_stats(step: int, times: tuple, out, scheduler, kv, kv_bytes_per_token: int, usage, num_finished: int, comm):
+def step_stats(step: int, times: tuple, out, scheduler, kv, kv_bytes_per_token: int, usage, num_finished: int, result):
     """The record of one engine step: what it ran (``out``, a ``SchedulerOutput``), where the queues
     (``scheduler``) and the KV pool (``kv``, and ``usage``: the split of
     :mod:`workbench.metrics.accounting`) stood after it.
 
     Args:
         times: ``(time_s, wall_time_s, schedule_time_s, model_time_s, sample_time_s)`` in seconds.
-        comm: the step's collectives (anything with ``to_dict()``), or ``None``.
+        result: the executor's ``ModelRunnerOutput`` (its ``comm``: the step's collectives, anything with
+            ``to_dict()``, or ``None``; its ``copy_time_s``).
     """
     n_prefill = out.num_prefill_reqs
     policy = getattr(getattr(kv, "pool", None), "policy", None)  # the paged manager's eviction policy
     ages = policy.take_evicted_ages(step + 1) if policy is not None else []
+    comm = getattr(result, "comm", None)
+    d = out.defrag
     free_blocks = kv.num_free_blocks
     return StepStats(
         *(step, *times),
@@ -103,7 +115,7 @@ def step_stats(step: int, times: tuple, out, scheduler, kv, kv_bytes_per_token: 
         num_swapped=len(scheduler.swapped),
         swap_out_blocks=len(out.swap_out),
         swap_in_blocks=len(out.swap_in),
-        cow_block_copies=len(out.block_copies),
+        cow_block_copies=len(out.block_copies) - (d.carried if d else 0),
         num_finished=num_finished,
         num_blocks=kv.num_blocks,
         blocks_used=kv.num_blocks - free_blocks,
@@ -122,6 +134,11 @@ def step_stats(step: int, times: tuple, out, scheduler, kv, kv_bytes_per_token: 
         prefix_cache_hits=out.prefix_cache_hits,
         prefix_cache_evictions=len(ages),
         evicted_block_ages_steps=ages,
+        defrag_passes=d.passes if d else 0,
+        defrag_blocks_moved=d.blocks_moved if d else 0,
+        defrag_bytes_moved=d.bytes_moved if d else 0,
+        defrag_unblocked=d.unblocked if d else 0,
+        copy_time_s=getattr(result, "copy_time_s", 0.0) + (d.copy_time_s if d else 0.0),
         **(comm.to_dict() if comm is not None else {}),
     )
 

@@ -229,6 +229,12 @@ class CostModel:
             block_bytes=self.kv_bytes_per_token * shape.block_size,
         )
 
+    def copy_s(self, swap_blocks: int, copied_blocks: int, block_bytes: int) -> float:
+        """Seconds of block copies: ``swap_blocks`` across the host link, ``copied_blocks`` on the device (each
+        read and written once through HBM), ``block_bytes`` each."""
+        hw = self.hw
+        return swap_blocks * block_bytes / hw.host_bandwidth + 2 * copied_blocks * block_bytes / hw.hbm_bandwidth
+
     def step_from_sums(
         self,
         *,
@@ -256,8 +262,6 @@ class CostModel:
             )
             if num_sampling:
                 comm += self.allgather_s(num_sampling * self.padded_vocab * self.elem)
-        swap = 0.0
-        if swap_blocks or copied_blocks:
-            swap = swap_blocks * block_bytes / hw.host_bandwidth + 2 * copied_blocks * block_bytes / hw.hbm_bandwidth
+        swap = self.copy_s(swap_blocks, copied_blocks, block_bytes) if swap_blocks or copied_blocks else 0.0
         over = e.overhead_s + e.per_seq_s * num_seqs
         return StepCost(over + max(compute, memory) + comm + swap, compute, memory, comm, swap, over, flops, nbytes)

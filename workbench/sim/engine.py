@@ -274,7 +274,14 @@ class SimulatedExecutor:
         if cost.comm_s > 0:
             comm = _SimComm(*self.cost.comm_bytes(out.total_tokens, sampling), cost.comm_s)
         over = cost.overhead_s
-        return ModelRunnerOutput(sampled, cost.time_s - over, 0.0, over, comm)
+        return ModelRunnerOutput(sampled, cost.time_s - over, 0.0, over, comm, copy_time_s=cost.swap_s)
+
+    def copy_blocks(self, swap_out, copies, swap_in) -> float:
+        """Block copies between steps (``LLMEngine.compact``): priced by the cost model, the clock advanced by
+        them; returns their seconds."""
+        s = self.cost.copy_s(len(swap_out) + len(swap_in), len(copies), self.cost.kv_bytes_per_token * self.block_size)
+        self.clock.advance(s)
+        return s
 
     def shape(self, out: SchedulerOutput) -> StepShape:
         """The step as a :class:`StepShape` (for inspection and tests)."""

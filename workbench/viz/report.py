@@ -422,7 +422,10 @@ def summary_table(
     * ``fragmentation_rate_mean_frac`` -- mean ``fragmentation_rate`` over
       steps (0..1);
     * ``running_reqs_mean`` -- mean ``num_running`` over steps (requests still running after each step);
-    * ``batched_reqs_mean`` -- mean requests scheduled in a step (``num_prefill_reqs + num_decode_reqs``).
+    * ``batched_reqs_mean`` -- mean requests scheduled in a step (``num_prefill_reqs + num_decode_reqs``);
+    * only when KV compaction ran: ``defrag_passes``, ``defrag_blocks_moved``, ``defrag_bytes_moved`` (sums),
+      ``defrag_copy_time_s`` (``copy_time_s`` of the steps with a pass: every block copy of those steps, s),
+      ``defrag_unblocked_reqs`` (requests admitted in the step after a pass that no free run held before it).
 
     Means over zero steps are ``0.0``; nothing divides by zero.
 
@@ -472,6 +475,13 @@ def summary_table(
     out["fragmentation_rate_mean_frac"] = _mean([float(s["fragmentation_rate"]) for s in steps])
     out["running_reqs_mean"] = _mean([float(s["num_running"]) for s in steps])
     out["batched_reqs_mean"] = _mean([float(s.get("num_prefill_reqs", 0) + s.get("num_decode_reqs", 0)) for s in steps])
+    moved = [s for s in steps if s.get("defrag_passes")]
+    if moved:  # KV compaction ran (workbench.allocators.defrag); copy time: all copies of those steps
+        out["defrag_passes"] = int(sum(s["defrag_passes"] for s in moved))
+        out["defrag_blocks_moved"] = int(sum(s["defrag_blocks_moved"] for s in moved))
+        out["defrag_bytes_moved"] = int(sum(s["defrag_bytes_moved"] for s in moved))
+        out["defrag_copy_time_s"] = float(sum(s.get("copy_time_s", 0.0) for s in moved))
+        out["defrag_unblocked_reqs"] = int(sum(s.get("defrag_unblocked", 0) for s in steps))
     return out
 
 
@@ -544,6 +554,11 @@ SUMMARY_LABELS: dict[str, str] = {
     "fragmentation_rate_mean_frac": "fragmentation rate (mean over steps)",
     "running_reqs_mean": "requests running (mean per step)",
     "batched_reqs_mean": "requests batched (mean per step)",
+    "defrag_passes": "KV compaction passes",
+    "defrag_blocks_moved": "KV blocks moved by compaction",
+    "defrag_bytes_moved": "KV bytes moved by compaction",
+    "defrag_copy_time_s": "block copy time in steps with compaction (s)",
+    "defrag_unblocked_reqs": "requests admitted after a compaction pass",
     "startup_s": "startup: engine build, not in wall time (s)",
     "model_load_s": "model load (s)",
     "simulated_duration_s": "simulated duration (s)",
