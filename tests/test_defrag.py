@@ -138,6 +138,29 @@ def test_paged_moves_keep_reference_counts_hashes_and_the_free_queue():
     kv.check_invariants()
 
 
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu"])
+def test_a_move_carries_the_eviction_figures_and_records_the_evicted_age(policy):
+    kv = KVCacheManager(8, 2, enable_prefix_caching=True, eviction_policy=policy)
+    toks = [3, 4, 5, 6, 7]
+    assert kv.allocate_slots("a", 5)  # blocks 0, 1, 2; 0 and 1 cached
+    kv.cache_full_blocks("a", toks, 5)
+    assert kv.allocate_slots("b", 5, kv.find_cached_prefix(toks))  # one hit each on 0 and 1
+    assert kv.allocate_slots("x", 2)  # block 4, cached, then free
+    kv.cache_full_blocks("x", [9, 9], 2)
+    kv.free("x")
+    pol = kv.pool.policy
+    before = (pol.hits[1], pol.cached_seq[1])
+    pol.take_evicted_ages(pol.step + 3)  # three steps pass
+    kv.move_blocks([(1, 4)])
+    assert (pol.hits[4], pol.cached_seq[4]) == before == (1, before[1])
+    assert pol.take_evicted_ages(pol.step) == [3]  # block 4's cached content was evicted, 3 steps after its free
+    kv.check_invariants()
+    kv.free("a")
+    kv.free("b")
+    assert set(kv.cached_free_blocks()) == {0, 4} and kv.num_free_blocks == 8
+    kv.check_invariants()
+
+
 def test_managers_that_cannot_move_refuse():
     kv = LowestFirstKVManager(8, 2)
     with pytest.raises(NotImplementedError, match="cannot move blocks"):
@@ -290,7 +313,9 @@ def test_random_schedules_with_compaction_keep_every_token_and_leak_nothing(mana
     longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
     num_blocks = -(-longest // bs) + data.draw(st.integers(0, 16))
     if manager == "paged":
-        kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=True, num_cpu_blocks=data.draw(st.integers(0, 20)))
+        policy = data.draw(st.sampled_from(["lru", "fifo", "lfu"]))  # moves keep every eviction policy consistent
+        cpu = data.draw(st.integers(0, 20))
+        kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=True, num_cpu_blocks=cpu, eviction_policy=policy)
         mode = "swap" if kv.swap_pool else "recompute"
     else:
         kv, mode = ContiguousKVCacheManager(num_blocks, bs, "orca-max"), "recompute"
