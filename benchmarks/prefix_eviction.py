@@ -13,17 +13,21 @@ Per policy and trace: prefix-cache hit rate (prompt tokens served from the cache
 saved (= hit tokens), evictions (blocks) and the mean / median age of evicted blocks (engine steps from free to
 eviction), TTFT mean and p90 (simulated ms), and the replay's wall time here.
 
-    PYTHONPATH=. python benchmarks/prefix_eviction.py
-    PYTHONPATH=. python benchmarks/prefix_eviction.py --zipf 0.8 --num-blocks 384 --json out.json
+    python benchmarks/prefix_eviction.py
+    python benchmarks/prefix_eviction.py --zipf 0.8 --num-blocks 384 --json out.json
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the plug-in example lives in tests/fixtures
 
 POLICIES = ("lru", "fifo", "lfu", "tests.fixtures.scan_resistant:ProtectedLRUPolicy")
 
@@ -103,7 +107,7 @@ def main(num_prompts, tenants, prefix_len, suffix_len, output_len, zipf, scan_ev
     }
     print(
         f"{num_prompts} requests, {tenants} tenants x {prefix_len}-token system prompt (zipf {zipf}) + {suffix_len}"
-        f"-token suffix, {output_len} output tokens; scan: every {scan_every}th request {scan_len} one-off tokens; "
+        f"-token suffix, {output_len} output tokens; scan: one request in {scan_every} is a one-off prompt of {scan_len} tokens; "
         f"pool {num_blocks} blocks x 16 tokens; {model} on {gpu} (simulated), {rate} req/s"
     )
     head = (
