@@ -15,6 +15,7 @@ static and grouped batching with the paged allocator; median of ``--repeats`` ru
 throughput, TTFT and end-to-end latency, and the ratio to continuous batching in the same run.
 
     python benchmarks/fragmentation.py allocators
+    python benchmarks/fragmentation.py allocators --allocators paged,orca-max,best-fit,buddy
     python benchmarks/fragmentation.py batching --repeats 3
     python benchmarks/fragmentation.py summarize runs/compare-<time>   # the table of a compare folder
 """
@@ -55,13 +56,24 @@ def cli():
 @click.option("--kv-pool-tokens", default=4096, show_default=True, help="KV pool size in tokens")
 @click.option("--max-num-seqs", default=64, show_default=True)
 @click.option("--out", default="runs/bench-fragmentation.json", show_default=True)
-def allocators(num_prompts, max_tokens, max_model_len, kv_pool_tokens, max_num_seqs, out):
-    """Paged vs the four contiguous allocators on real prompts."""
+@click.option(
+    "--allocators",
+    "names",
+    default="paged,static,orca-max,orca-pow2,orca-oracle",
+    show_default=True,
+    help="comma-separated kv_allocator values (built-in, e.g. best-fit and buddy, or package.module:Class); "
+    "paged among them",
+)
+def allocators(num_prompts, max_tokens, max_model_len, kv_pool_tokens, max_num_seqs, out, names):
+    """Paged vs contiguous allocators on real prompts (default: the paper's four)."""
     from workbench.bench.compare import compare
 
+    names = [a.strip() for a in names.split(",") if a.strip()]
+    if "paged" not in names:
+        raise click.BadParameter(f"{','.join(names)!r}: include paged (its run measures the output lengths)")
     dataset = str(SHAREGPT) if SHAREGPT.exists() else None
     res = compare(
-        allocators=["paged", "static", "orca-max", "orca-pow2", "orca-oracle"],
+        allocators=names,
         dataset=dataset,
         num_prompts=num_prompts,
         max_tokens=max_tokens,

@@ -101,8 +101,8 @@ def test_compare_warns_once_when_the_dataset_has_fewer_prompts(tmp_path, caplog)
 
 
 def test_compare_rejects_unknown_variants_before_loading(tmp_path):
-    r = CliRunner().invoke(main, ["compare", "--kv-allocator", "paged,buddy", "--output-dir", str(tmp_path)])
-    assert r.exit_code != 0 and "buddy" in r.output and "orca-oracle" in r.output
+    r = CliRunner().invoke(main, ["compare", "--kv-allocator", "paged,slab", "--output-dir", str(tmp_path)])
+    assert r.exit_code != 0 and "slab" in r.output and "orca-oracle" in r.output
 
 
 def _fake_run(pool_blocks: int, used: list[int]):

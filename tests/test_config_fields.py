@@ -90,7 +90,7 @@ def test_short_alias_and_byte_sizes_and_bool_flags_still_work():
     assert set(seen) == {f.name for f in ON_CLI}
     bad = CliRunner().invoke(cmd, ["--device-memory", "lots"])
     assert bad.exit_code == 2 and "--device-memory" in bad.output and "'lots' is not a memory size" in bad.output
-    bad = CliRunner().invoke(cmd, ["--kv-allocator", "buddy"])
+    bad = CliRunner().invoke(cmd, ["--kv-allocator", "slab"])
     assert bad.exit_code == 2 and "orca-oracle" in bad.output
 
 
@@ -160,7 +160,7 @@ def test_run_folder_config_json_is_built_from_to_dict():
 @pytest.mark.parametrize(
     "field, choices, bad",
     [
-        ("kv_allocator", KV_ALLOCATORS, "buddy"),
+        ("kv_allocator", KV_ALLOCATORS, "slab"),
         ("batching_policy", BATCHING_POLICIES, "dynamic"),
         ("preemption_mode", PREEMPTION_MODES, "drop"),
         ("scheduling_policy", SCHEDULING_POLICIES, "lifo"),
@@ -175,12 +175,14 @@ def test_choices_are_declared_once_and_validated(field, choices, bad):
 
 def test_old_import_sites_see_the_same_tuples():
     from workbench.attention.backend import BACKEND_NAMES
+    from workbench.config import BUILTIN_ALLOCATORS
     from workbench.kv.contiguous import CONTIGUOUS_ALLOCATORS
     from workbench.kv.contiguous import KV_ALLOCATORS as KVA
     from workbench.scheduler import BATCHING_POLICIES as BP
 
     assert BACKEND_NAMES is ATTENTION_BACKENDS and KVA is KV_ALLOCATORS and BP is BATCHING_POLICIES
-    assert KV_ALLOCATORS == ("paged", *CONTIGUOUS_ALLOCATORS)
+    assert KV_ALLOCATORS == ("paged", *CONTIGUOUS_ALLOCATORS, *BUILTIN_ALLOCATORS)
+    assert list(BUILTIN_ALLOCATORS) == ["best-fit", "buddy"]
 
 
 def test_one_size_parser():

@@ -219,7 +219,7 @@ def test_bad_plug_in_names_fail_clearly_before_the_model_loads(tiny_model, monke
 
 def test_bad_allocator_names_are_refused_by_the_config():
     with pytest.raises(ValueError, match="kv_allocator"):
-        EngineConfig(kv_allocator="buddy").validate()
+        EngineConfig(kv_allocator="slab").validate()
     with pytest.raises(ValueError, match="kv_allocator"):
         EngineConfig(kv_allocator="a:b:c").validate()
     EngineConfig(kv_allocator=PLUGIN).validate()

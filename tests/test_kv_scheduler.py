@@ -9,20 +9,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.fixtures.lowest_first import LowestFirstKVManager
+from workbench.allocators.best_fit import BestFitKVCacheManager
+from workbench.allocators.buddy import BuddyKVCacheManager
 from workbench.kv import BlockPool, KVCacheManager
-from workbench.kv.contiguous import ContiguousKVCacheManager
+from workbench.kv.contiguous import ContiguousKVCacheManager, next_pow2
 from workbench.metrics.accounting import pool_usage
 from workbench.request import Request, RequestStatus
 from workbench.sampling import SamplingParams
 from workbench.scheduler import Scheduler
 
 #: the KV managers the scheduler properties must hold for: paged, a contiguous baseline (declares
-#: each request's sizes before admission), and a plug-in written against the interface alone
+#: each request's sizes before admission; also best-fit and buddy placement), and a plug-in written against the
+#: interface alone
 MANAGERS = {
     "paged": lambda num_blocks, block_size: KVCacheManager(num_blocks, block_size),
     "orca-max": lambda num_blocks, block_size: ContiguousKVCacheManager(num_blocks, block_size, "orca-max"),
     "lowest-first": LowestFirstKVManager,
+    "best-fit": BestFitKVCacheManager,
+    "buddy": BuddyKVCacheManager,
 }
+RESERVING = ("orca-max", "best-fit", "buddy")  # reserve the whole request at admission
 CATEGORIES = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "free")
 
 
@@ -110,7 +116,7 @@ def _simulate(
         }
         sched.update(out, sampled, now=float(steps))
         u = check_step(kv, sched, num_blocks, bounds)
-        if manager != "orca-max":  # on demand: any block serves, less than a block unwritten per holder
+        if manager not in RESERVING:  # on demand: any block serves, less than a block unwritten per holder
             assert u.external_fragmentation == 0
             assert u.reservation + u.internal_fragmentation < block_size * max(1, len(sched.running))
             for r in sched.running:
@@ -139,6 +145,8 @@ def test_scheduler_random_workloads_never_leak_or_deadlock(
     longest = max(p + m for p, m in zip(prompt_lens, max_tokens))
     # the pool always holds the longest sequence (the engine checks this at startup), sometimes barely
     num_blocks = -(-longest // block_size) + data.draw(st.integers(0, 20))
+    if manager == "buddy":  # its longest run is the pool's largest power-of-two segment: make it hold the longest
+        num_blocks = max(num_blocks, next_pow2(-(-longest // block_size)))
     budget = data.draw(st.integers(max_num_seqs, max(max_num_seqs, 80)))
     reqs, _, kv = _simulate(
         prompt_lens, max_tokens, num_blocks, block_size, max_num_seqs, budget, chunked, eos_every, seed, manager

@@ -187,7 +187,7 @@ def test_contiguous_refuses_what_it_cannot_do(tiny_model, engines):
     with pytest.raises(ValueError, match="kv_allocator='paged'"):
         LLM(model=str(tiny_model), kv_allocator="static", enable_prefix_caching=True)
     with pytest.raises(ValueError, match="kv_allocator"):
-        LLM(model=str(tiny_model), kv_allocator="buddy")
+        LLM(model=str(tiny_model), kv_allocator="slab")
     with pytest.raises(ValueError, match="n=2"):
         engines["orca-max"].generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=3))
     with pytest.raises(ValueError, match="expected_output_lens"):

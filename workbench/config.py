@@ -35,7 +35,8 @@ DEFAULT_MODEL = BUNDLED_MODEL
 #: Allowed values, declared once (the scheduler, ``kv/``, the attention backends, the CLI and the lab
 #: panels import them from here).
 CONTIGUOUS_ALLOCATORS = ("static", "orca-max", "orca-pow2", "orca-oracle")  # see workbench.kv.contiguous
-KV_ALLOCATORS = ("paged", *CONTIGUOUS_ALLOCATORS)
+BUILTIN_ALLOCATORS = {"best-fit": "best_fit:BestFitKVCacheManager", "buddy": "buddy:BuddyKVCacheManager"}
+KV_ALLOCATORS = ("paged", *CONTIGUOUS_ALLOCATORS, *BUILTIN_ALLOCATORS)  # the last: workbench/allocators/<module:Class>
 BATCHING_POLICIES = ("continuous", "static", "grouped")  # see workbench.scheduler
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")

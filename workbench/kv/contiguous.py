@@ -134,6 +134,8 @@ class ContiguousKVCacheManager(KVManager):
         """Start of the lowest-addressed hole of at least ``num_blocks`` blocks, or ``None``."""
         return next((start for start, n in self.free_runs() if n >= num_blocks), None)
 
+    place = first_fit  #: placement hook: start of a hole for ``num_blocks``, or ``None`` (see allocators.best_fit)
+
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
@@ -145,13 +147,13 @@ class ContiguousKVCacheManager(KVManager):
     def allocate_slots(
         self, request_id: str, num_total_tokens: int, cached_blocks=(), write_start: int | None = None
     ) -> bool:
-        """Reserve the request's whole region at its first call (first-fit); later calls only check it. Returns
+        """Reserve the request's whole region at its first call (placed by :meth:`place`); later calls check it. Returns
         ``False`` (and changes nothing) when no hole holds the reservation. Raises ``RuntimeError`` if
         ``num_total_tokens`` exceeds the reservation (a bug: the engine caps requests by it)."""
         table = self.block_tables.get(request_id)
         if table is None:
             need = max(self.reservation_blocks(request_id), cdiv(num_total_tokens, self.block_size))
-            start = self.first_fit(need)
+            start = self.place(need)
             if start is None:
                 return False
             insort(self.regions, (start, need, request_id))
