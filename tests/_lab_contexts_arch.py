@@ -19,3 +19,11 @@ WRONG: dict = {
         "39",
     ],
 }
+
+# 11.1: the learner's allocator class, through the conformance check (workbench.labs.own_allocator)
+from workbench.labs.own_allocator import EXERCISE_CONTEXT as _EX_11_1  # noqa: E402
+from workbench.labs.own_allocator import DoubleHandNextFit as _DoubleHand  # noqa: E402
+from workbench.labs.own_allocator import LeakyNextFit as _Leaky  # noqa: E402
+
+CONTEXTS["11.1"] = dict(_EX_11_1)
+WRONG["11.1"] = [_Leaky, _DoubleHand, "next-fit", dict]

@@ -1,5 +1,6 @@
 """A real browser opens chapter 2 in JupyterLab, runs every cell, and sees the plots and the panel;
-and opens chapter 7, runs a two-point sweep from its panel, and sees the heatmaps fill.
+and opens chapter 7, runs a two-point sweep from its panel, and sees the heatmaps fill; and opens chapter 11,
+clicks its panel's Run with the learner's allocator plugged in by name, and sees the live block map fill.
 
 JupyterLab is started on localhost over a copy of ``labs/``; a headless Chromium (Debian's
 ``chromium``, or ``$WORKBENCH_CHROMIUM``) is driven by Playwright. The test checks that every
@@ -183,4 +184,64 @@ def test_chapter7_sweep_panel_fills_its_heatmaps_in_a_real_browser(jupyterlab, t
     assert len(filled) >= 5 and all(n == 2 for n in filled[:5]), f"heatmap cells filled: {filled} (see {shot.name})"
     assert "2 of 2 run(s) done" in text
     assert "runs 2/2" in text
+    assert not [e for e in console_errors if "plotly" in e.lower() or "widget" in e.lower()], console_errors
+
+
+def _live_plot_filled(page) -> dict[str, int]:
+    """Over the page's plotly graphs: filled block-map cells (heatmap values) and plotted points (the other traces)."""
+    return page.evaluate(
+        """() => {
+            let cells = 0, points = 0;
+            for (const el of document.querySelectorAll('.js-plotly-plot')) {
+                for (const t of (el.data || [])) {
+                    if (t.type === 'heatmap') cells += (t.z || []).flat().filter(v => v !== null && v !== undefined && !Number.isNaN(v)).length;
+                    else points += (t.y || []).filter(v => v !== null && v !== undefined).length;
+                }
+            }
+            return {cells, points};
+        }"""
+    )
+
+
+@pytest.mark.slow
+def test_chapter11_panel_runs_the_learners_allocator_live_in_a_real_browser(jupyterlab, tmp_path):
+    """Chapter 11's cells run up to its panel (setup, the call trace, the skeleton and its check, the
+    conformance check, the allocator registered by name); the test clicks Run and waits until the live
+    figure holds the pool's areas and a filled block map of the plugged-in allocator."""
+    chromium, sync_playwright = _browser_tools()
+    base, token = jupyterlab
+    shot = tmp_path / "chapter11.png"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        console_errors = []
+        page.on("pageerror", lambda e: console_errors.append(str(e)))
+        open_notebook(page, base, token, "11_your_own_allocator.ipynb")
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        page.locator(".jp-InputArea-editor", has_text="RunPanel(").first.wait_for(timeout=120_000)
+        sources = cells.locator(".jp-InputArea-editor").all_inner_texts()
+        last = next(i for i, s in enumerate(sources) if "RunPanel(" in s)
+        deadline = time.time() + 480
+        _run_cells_through(page, cells, last)
+        assert not error_texts(page), error_texts(page)[:2]
+        text = page.locator(".jp-Notebook").inner_text()
+        assert "PASSED 40 random schedules" in text and "workbench.allocators.registered:" in text
+        dropdown = page.locator(".jupyter-widgets select").first
+        assert "registered:" in dropdown.input_value()  # the panel offers the plug-in by name
+        before = _live_plot_filled(page)
+        page.locator(".jupyter-widgets button", has_text="Run").first.click()
+        filled = before
+        while time.time() < deadline:
+            filled = _live_plot_filled(page)
+            status = page.locator(".jp-Notebook").inner_text()
+            if filled["cells"] > before["cells"] and filled["points"] > before["points"] and "run: " in status:
+                break
+            assert not error_texts(page), error_texts(page)[:2]
+            time.sleep(2)
+        page.locator(".jupyter-widgets button", has_text="Run").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(shot))
+        text = page.locator(".jp-Notebook").inner_text()
+        browser.close()
+    assert filled["cells"] >= 24 and filled["points"] > 0, f"live figure: {filled} (see {shot.name})"
+    assert "run: workbench.allocators.registered:" in text  # the summary card of the finished run
     assert not [e for e in console_errors if "plotly" in e.lower() or "widget" in e.lower()], console_errors

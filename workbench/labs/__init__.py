@@ -13,11 +13,15 @@
 - :mod:`workbench.labs.nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
   (what both share: :mod:`workbench.labs.multigpu_common`);
 - :mod:`workbench.labs.rank_memory` — chapter 14: memory beside the KV cache on every rank (measured on
-  a TP=3 engine, modelled for 4-8 GPUs, a slider panel).
+  a TP=3 engine, modelled for 4-8 GPUs, a slider panel);
+- :mod:`workbench.labs.own_allocator` — chapter 11: your own allocator (a skeleton's reference solution, buggy
+  variants, the scheduler's call trace, side-by-side runs); :func:`register_allocator` plugs a class defined in a
+  notebook cell in by name.
 
 The chapter modules are loaded on first use (``labs.sweep`` works after ``from workbench import labs``).
 """
 
+from workbench.allocators.registered import register_allocator
 from workbench.labs.exercises import EXERCISES, check, solution
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, breakdown_table, lab_run, lab_trace, run_summary
 
@@ -30,6 +34,7 @@ __all__ = [
     "check",
     "lab_run",
     "lab_trace",
+    "register_allocator",
     "run_summary",
     "solution",
 ]
@@ -41,6 +46,7 @@ _MODULES = (
     "chunked",
     "multigpu_common",
     "nccl_buffers",
+    "own_allocator",
     "panel",
     "rank_memory",
     "sweep",

@@ -165,7 +165,10 @@ def _stub():  # the body a notebook's exercise cell starts with
 
 
 def _is_stub(answer: Any) -> bool:
-    """True for a function whose body is only ``...`` (or ``pass``): not answered yet."""
+    """True for a function whose body is only ``...`` (or ``pass``), or a class with such a method of its own
+    (a skeleton whose TODOs are open): not answered yet."""
+    if isinstance(answer, type):
+        return any(_is_stub(v) for v in vars(answer).values() if callable(v) and not isinstance(v, type))
     code = getattr(answer, "__code__", None)
     return code is not None and code.co_code == _stub.__code__.co_code and code.co_consts[:1] in ((None,), ())
 

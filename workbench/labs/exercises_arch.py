@@ -58,3 +58,37 @@ class _CustomArBlocks:
             f"{answer!r} is {side}: the custom all-reduce takes {est.per_rank_bytes / 2**20:,.1f} MiB per GPU and a "
             f"block is {budget['block_bytes']:,} B; count the budget's whole blocks with and without it"
         )
+
+
+# ---------------------------------------------------------------- chapter 11: your own allocator
+@_register(
+    "11.1",
+    "Complete the skeleton (allocate_slots, free) so that your allocator passes the conformance check: "
+    "the real scheduler over random schedules, invariants every step, nothing leaked (the answer is the class)",
+    "allocate_slots adds blocks until the table covers num_total_tokens slots, and refuses (returning False, "
+    "changing nothing) when too few are free; free gives every block of the request back and drops its table.",
+)
+class _OwnAllocator:
+    @staticmethod
+    def solution(schedules: int, seed: int):
+        from workbench.labs.own_allocator import NextFitKVManager
+
+        return NextFitKVManager
+
+    @staticmethod
+    def judge(answer, schedules: int, seed: int) -> tuple[bool, str]:
+        from workbench.allocators.conformance import check_kv_manager
+
+        from workbench.kv.interface import KVManager
+
+        cls = getattr(answer, "fn", answer)  # a class arrives wrapped by check()'s return-value probe
+        if not (isinstance(cls, type) and issubclass(cls, KVManager)):
+            return False, f"give the class itself (a KVManager subclass), got {answer!r}"
+        report = check_kv_manager(cls, schedules=schedules, seed=seed)
+        if report.passed:
+            return True, str(report)
+        f = report.failure
+        return False, (
+            f"schedule {report.schedules} of {schedules} failed at step {f.step}: {f.problem} (print "
+            "check_kv_manager(YourClass) for the schedule and the calls before it)"
+        )

@@ -49,12 +49,12 @@ def summary_card(name: str, summary: dict[str, Any], per_line: int = 2):
 
 def _control(name: str, value: Any, widgets) -> Any:
     """The widget of one engine argument (or trace parameter); its ``description`` is the argument's name."""
-    from workbench.config import BATCHING_POLICIES, KV_ALLOCATORS, PREEMPTION_MODES
+    from workbench.config import BATCHING_POLICIES, PREEMPTION_MODES
 
     style = {"description_width": "initial"}
     d = dict(description=name, style=style)
-    if name == "kv_allocator":
-        return widgets.Dropdown(options=list(KV_ALLOCATORS), value=value, **d)
+    if name == "kv_allocator":  # a plug-in ("package.module:ClassName") joins the built-in names
+        return widgets.Dropdown(options=_allocator_options(value), value=value, **d)
     if name == "batching_policy":
         return widgets.Dropdown(options=list(BATCHING_POLICIES), value=value, **d)
     if name == "preemption_mode":
@@ -77,6 +77,14 @@ def _control(name: str, value: Any, widgets) -> Any:
         lo, hi, step = limits[name]
         return widgets.IntSlider(min=lo, max=max(hi, int(value)), step=step, value=int(value), **d)
     raise ValueError(f"no widget for {name!r}; known controls: {', '.join(CONTROLS)}")
+
+
+def _allocator_options(*extra: Any) -> list[str]:
+    """The ``kv_allocator`` dropdown's options: the built-in names, then plug-in names given (in order)."""
+    from workbench.config import KV_ALLOCATORS
+    from workbench.plugins import is_plugin_name
+
+    return list(KV_ALLOCATORS) + [v for v in dict.fromkeys(extra) if v not in KV_ALLOCATORS and is_plugin_name(v)]
 
 
 #: the arguments a panel can show (engine arguments, then the trace's)
@@ -288,6 +296,9 @@ class RunPanel(RunButtonThread):
             self._show_error(e)
             raise
         values = self.current_values() | overrides  # as given: a widget's range never clamps them
+        alloc = self.controls.get("kv_allocator")
+        if alloc is not None and overrides.get("kv_allocator") not in (None, *alloc.options):
+            alloc.options = _allocator_options(*alloc.options, overrides["kv_allocator"])  # a plug-in by name
         shown = {k: v for k, v in overrides.items() if k in self.controls and _accepts(self.controls[k], v)}
         res = self._locked(values, shown)
         self.values |= {k: v for k, v in overrides.items() if k not in self.controls}  # kept once they ran
