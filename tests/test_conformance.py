@@ -1,4 +1,4 @@
-"""The conformance check (workbench.allocators.conformance): every built-in and plug-in manager passes it; each kind
+"""The conformance check (workbench.conformance): every built-in and plug-in manager passes it; each kind
 of bug it exists for is caught with a counterexample; a class defined at run time plugs in by name
 (workbench.allocators.registered); chapter 11's reference allocator, its buggy variants and exercise 11.1."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tests.fixtures.lowest_first import LowestFirstKVManager
-from workbench.allocators.conformance import Schedule, ScheduleRequest, check_kv_manager, run_schedule
 from workbench.allocators.registered import register_allocator
 from workbench.config import EngineConfig
+from workbench.conformance import Schedule, ScheduleRequest, check_kv_manager, run_schedule
 from workbench.kv import make_kv_manager
 from workbench.kv.interface import KVManager
 from workbench.labs.own_allocator import DoubleHandNextFit, LeakyNextFit, NextFitKVManager

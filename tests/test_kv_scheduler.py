@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.fixtures.lowest_first import LowestFirstKVManager
-from workbench.allocators import conformance
+from workbench import conformance
 from workbench.allocators.best_fit import BestFitKVCacheManager
 from workbench.allocators.buddy import BuddyKVCacheManager
 from workbench.kv import BlockPool, KVCacheManager
@@ -34,7 +34,7 @@ RESERVING = ("orca-max", "best-fit", "buddy")  # reserve the whole request at ad
 
 def check_step(kv, sched, num_blocks, bounds):
     """The per-step invariants every manager keeps (the conformance check's,
-    :func:`workbench.allocators.conformance.check_step`: its own, blocks in range and never in two tables,
+    :func:`workbench.conformance.check_step`: its own, blocks in range and never in two tables,
     held + free == pool, only running requests hold blocks, the five-way split summing to the pool with no
     negative part), and every unwritten slot settled as internal when no bound is given."""
     assert kv.num_blocks == num_blocks

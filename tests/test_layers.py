@@ -27,8 +27,9 @@ LAYERS: dict[int, tuple[str, ...]] = {
     0: ("config", "cpu_dtype", "request", "sampling_params", "kv", "units", "comm", "inputs", "outputs", "plugins", "catalog", "allocators"),
     # what the model and the engine core build on: attention backends and kernels, communication
     # counters, step statistics, the scheduler (over kv/), the sampler and its operations (penalties,
-    # logprobs), the output processor (incremental text, stop strings)
-    1: ("attention", "kernels", "metrics", "scheduler", "sampling", "sample_ops", "output_processor"),
+    # logprobs), the output processor (incremental text, stop strings), the KV managers' conformance
+    # check (the scheduler over random schedules)
+    1: ("attention", "kernels", "metrics", "scheduler", "sampling", "sample_ops", "output_processor", "conformance"),
     # the model (uses attention, comm, catalog) and the memory budget (uses attention)
     2: ("model", "memory"),
     # the KV calculator (a model's architecture, its memory budget)

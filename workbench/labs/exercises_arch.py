@@ -77,7 +77,7 @@ class _OwnAllocator:
 
     @staticmethod
     def judge(answer, schedules: int, seed: int) -> tuple[bool, str]:
-        from workbench.allocators.conformance import check_kv_manager
+        from workbench.conformance import check_kv_manager
 
         from workbench.kv.interface import KVManager
 

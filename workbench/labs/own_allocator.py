@@ -4,7 +4,7 @@
   on-demand blocks like paged, taken *next-fit* -- the search for a free block starts after the block handed out
   last and wraps around, so the used blocks rotate through the pool instead of packing at its bottom;
 - :class:`LeakyNextFit`, :class:`DoubleHandNextFit`: the same with one bug each, which the conformance check
-  (:func:`workbench.allocators.conformance.check_kv_manager`) catches with a counterexample;
+  (:func:`workbench.conformance.check_kv_manager`) catches with a counterexample;
 - :func:`call_trace`: every interface call the scheduler makes during a real run, step by step;
 - :func:`compare_runs`, :func:`block_maps_figure`: the same requests through paged, first-fit ``orca-max``,
   best-fit, buddy and yours -- waste breakdown and block maps side by side;
@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from workbench.allocators.conformance import ConformanceReport, check_kv_manager
+from workbench.conformance import ConformanceReport, check_kv_manager
 from workbench.allocators.registered import register_allocator
 from workbench.kv.interface import KVManager
 from workbench.labs.runs import lab_run, lab_trace
@@ -147,7 +147,7 @@ def finished(cls: type[KVManager]) -> type[KVManager]:
 
 
 def check(manager, schedules: int = 40, seed: int = 0) -> ConformanceReport:
-    """:func:`~workbench.allocators.conformance.check_kv_manager`, printed and returned."""
+    """:func:`~workbench.conformance.check_kv_manager`, printed and returned."""
     report = check_kv_manager(manager, schedules=schedules, seed=seed)
     print(report)
     return report
