@@ -93,3 +93,21 @@ def tokenize_prompt(tokenizer, vocab_size: int, prompt: Prompt) -> tuple[list[in
         text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False), text
     return check_token_ids(prompt, vocab_size), None
+
+
+def check_true_output_len(value, name: str = "true_output_len") -> None:
+    """Refuse a request's true output length that is not ``None`` or an int >= 1 (tokens).
+
+    A true output length replays a trace: the request ends there as if its model had emitted EOS
+    (:meth:`workbench.engine.LLMEngine.add_request`). vLLM has no such argument: its requests end where
+    the model decides; a trace replay needs the trace's lengths.
+
+    Raises:
+        ValueError: ``value`` is a bool, a non-integer (e.g. ``12.5`` or ``"12"``) or below 1; naming it and the fix.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} is not an int; give the output length in tokens (an int >= 1), or None")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1 token (a request produces at least one token), or None")
