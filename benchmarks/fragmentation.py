@@ -2,11 +2,14 @@
 vs continuous batching.
 
 Part ``allocators``: real prompts (ShareGPT from ../shared/data when present, else the project's
-own prompts), output lengths from the model itself (greedy; the paged run measures them and the
-oracle allocators reserve by them), a KV pool small enough that memory binds. For each of paged,
-static, orca-max, orca-pow2 and orca-oracle: the share of occupied KV memory holding token states
-(Fig. 2's measure), the share of the pool, and the mean number of requests batched per step
-(Fig. 13's measure). Memory figures and batch sizes count steps, not seconds, so one run each
+own prompts), each replayed at a true output length (``--true-output-lens``: by default seeded,
+long-tailed, exponential of mean 64 tokens; ``model`` = the model's own, measured by a paged run)
+under a cap well above them (``--max-tokens`` 512), a KV pool small enough that memory binds. Each
+request ends at its true length as if its model had emitted EOS; orca-max reserves prompt + cap,
+orca-pow2 the power of two of the true length, orca-oracle the true length — the vLLM paper's Fig. 2
+order (static < orca-max < orca-pow2 < orca-oracle < paged). For each allocator: the share of
+occupied KV memory holding token states (Fig. 2's measure), the share of the pool, and the mean
+number of requests batched per step (Fig. 13's measure). Memory figures and batch sizes count steps, not seconds, so one run each
 is exact; the throughput column is one run and only indicative.
 
 Part ``batching``: 16 requests whose prompts are spread from 128 to 2,048 tokens (shuffled
@@ -14,7 +17,8 @@ arrival order, seeded), greedy, ``max_tokens`` 64, ``max_num_seqs`` 4, through c
 static and grouped batching with the paged allocator; median of ``--repeats`` runs of wall time,
 throughput, TTFT and end-to-end latency, and the ratio to continuous batching in the same run.
 
-    python benchmarks/fragmentation.py allocators
+    python benchmarks/fragmentation.py allocators                      # ShareGPT when present
+    python benchmarks/fragmentation.py allocators --dataset default    # the project's own prompts
     python benchmarks/fragmentation.py allocators --allocators paged,orca-max,best-fit,buddy
     python benchmarks/fragmentation.py batching --repeats 3
     python benchmarks/fragmentation.py summarize runs/compare-<time>   # the table of a compare folder
@@ -36,8 +40,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHAREGPT = REPO.parent / "shared" / "data" / "sharegpt" / "ShareGPT_V3_filtered_500.json"
 
-PAPER_FIG2 = {"orca-max": 0.204, "orca-pow2": 0.268, "orca-oracle": 0.382, "paged": 0.963}  # token states
-PAPER_FIG13 = {"orca-max": 7.00, "orca-pow2": 9.81, "orca-oracle": 13.62, "paged": 30.42}  # batched requests
+# the paper's Orca (Max) reserves the model's maximum length (2,048 tokens): our ``static`` (as in chapter 2);
+# our ``orca-max`` (prompt + the request's cap) has no column of its own there
+PAPER_FIG2 = {"static": 0.204, "orca-pow2": 0.268, "orca-oracle": 0.382, "paged": 0.963}  # token states
+PAPER_FIG13 = {"static": 7.00, "orca-pow2": 9.81, "orca-oracle": 13.62, "paged": 30.42}  # batched requests
 
 
 def machine() -> str:
@@ -51,7 +57,20 @@ def cli():
 
 @cli.command()
 @click.option("--num-prompts", default=32, show_default=True)
-@click.option("--max-tokens", default=128, show_default=True)
+@click.option("--max-tokens", default=512, show_default=True, help="every request's cap (orca-max reserves by it)")
+@click.option(
+    "--true-output-lens",
+    default="exponential:64",
+    show_default=True,
+    help="model | trace | exponential:M | auto (workbench.bench.output_lens)",
+)
+@click.option(
+    "--dataset",
+    "dataset_opt",
+    default="auto",
+    show_default=True,
+    help="auto (ShareGPT when present) | default | a path",
+)
 @click.option("--max-model-len", default=1024, show_default=True)
 @click.option("--kv-pool-tokens", default=4096, show_default=True, help="KV pool size in tokens")
 @click.option("--max-num-seqs", default=64, show_default=True)
@@ -64,19 +83,25 @@ def cli():
     help="comma-separated kv_allocator values (built-in, e.g. best-fit and buddy, or package.module:Class); "
     "paged among them",
 )
-def allocators(num_prompts, max_tokens, max_model_len, kv_pool_tokens, max_num_seqs, out, names):
-    """Paged vs contiguous allocators on real prompts (default: the paper's four)."""
+def allocators(
+    num_prompts, max_tokens, true_output_lens, dataset_opt, max_model_len, kv_pool_tokens, max_num_seqs, out, names
+):
+    """Paged vs contiguous allocators on real prompts (default: paged and the four contiguous baselines)."""
     from workbench.bench.compare import compare
 
     names = [a.strip() for a in names.split(",") if a.strip()]
     if "paged" not in names:
-        raise click.BadParameter(f"{','.join(names)!r}: include paged (its run measures the output lengths)")
-    dataset = str(SHAREGPT) if SHAREGPT.exists() else None
+        raise click.BadParameter(f"{','.join(names)!r}: include paged (the table's reference row)")
+    if dataset_opt == "auto":
+        dataset = str(SHAREGPT) if SHAREGPT.exists() else None
+    else:
+        dataset = None if dataset_opt == "default" else dataset_opt
     res = compare(
         allocators=names,
         dataset=dataset,
         num_prompts=num_prompts,
         max_tokens=max_tokens,
+        true_output_lens=true_output_lens,
         output_dir="runs",
         progress=False,
         max_model_len=max_model_len,
@@ -90,6 +115,7 @@ def allocators(num_prompts, max_tokens, max_model_len, kv_pool_tokens, max_num_s
         "dataset": dataset or "datasets/default_prompts.jsonl",
         "num_prompts": num_prompts,
         "max_tokens": max_tokens,
+        "true_output_lens": true_output_lens,
         "max_model_len": max_model_len,
         "kv_pool_tokens": kv_pool_tokens,
         "output_len_mean": statistics.mean(lens),

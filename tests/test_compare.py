@@ -48,6 +48,33 @@ def test_compare_runs_every_variant_on_the_same_prompts(tmp_path):
     assert (res.out_dir / "static" / "steps.jsonl").exists()
 
 
+def test_compare_replays_long_tailed_true_lengths_under_a_larger_cap(tmp_path):
+    """--true-output-lens exponential:M: no paged run is added; every variant's requests end at the same seeded
+    true lengths ("stop" below the cap), and the five allocators order as the vLLM paper's Fig. 2."""
+    from workbench.bench.output_lens import exponential_output_lens
+
+    r = CliRunner().invoke(
+        main,
+        ["compare", "--kv-allocator", "static,orca-max,orca-pow2,orca-oracle,paged", "--num-prompts", "6",
+         "--max-tokens", "96", "--true-output-lens", "exponential:12", "--max-model-len", "2048",
+         "--num-gpu-blocks-override", "200", "--output-dir", str(tmp_path)],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    (folder,) = tmp_path.iterdir()
+    rows = json.loads((folder / "compare.json").read_text())
+    assert [x["variant"] for x in rows] == ["static", "orca-max", "orca-pow2", "orca-oracle", "paged"]
+    lens = exponential_output_lens(6, 12, seed=0, max_len=96)
+    for x in rows:
+        reqs = [json.loads(line) for line in (folder / x["variant"] / "requests.jsonl").open()]
+        got = sorted((int(q["request_id"].removeprefix("gen-")), q["output_tokens"], q["finish_reason"]) for q in reqs)
+        assert [n for _, n, _ in got] == lens and {f for _, _, f in got} == {"stop"}
+    shares = [x["token_states_used_frac"] for x in rows]
+    assert shares == sorted(shares) and len(set(shares)) == 5, shares
+    assert "--true-output-lens" in CliRunner().invoke(main, ["compare", "--help"]).output
+    bad = CliRunner().invoke(main, ["compare", "--true-output-lens", "sharegpt", "--output-dir", str(tmp_path)])
+    assert bad.exit_code != 0 and "exponential:M" in bad.output
+
+
 def test_compare_cli_batching_policies(tmp_path):
     r = CliRunner().invoke(
         main,

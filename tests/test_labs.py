@@ -48,6 +48,11 @@ ROWS = [
     {"run": "orca-pow2", "external_fragmentation": 0.12},
     {"run": "static", "external_fragmentation": 0.01},
 ]
+CASES = [
+    {"prompt_len": 47, "true_len": 30, "max_tokens": 96, "max_model_len": 256},
+    {"prompt_len": 136, "true_len": 5, "max_tokens": 96, "max_model_len": 256},
+    {"prompt_len": 200, "true_len": 17, "max_tokens": 96, "max_model_len": 256},  # orca-max capped by max_model_len
+]
 SHARING = [{"n": 4, "prefix_tokens": 40, "block_size": 16, "blocks_saved": 6}]
 STEPS = [_step(), _step(step=1, reservation=0, free=6, swap_out_blocks=2), _step(step=2, swap_in_blocks=2)]
 
@@ -57,6 +62,7 @@ CONTEXTS = {
     "1.3": {"memory": MEMORY},
     "2.1": {"steps": STEPS},
     "2.2": {"rows": ROWS},
+    "2.3": {"cases": CASES},
     "3.1": {"memory": MEMORY},
     "3.2": {"steps": STEPS},
     "4.1": {"batch": BATCH},
@@ -75,6 +81,11 @@ WRONG = {
     "1.3": [MEMORY["kv_pool_tokens"] / 4096, 3],
     "2.1": [lambda s: (s["reservation"] + s["internal_fragmentation"]) / (s["num_blocks"] * s["block_size"])],
     "2.2": ["paged", "static", "nonsense"],
+    "2.3": [
+        lambda a, p, t, m, ml: ml if a == "static" else p + m,  # every orca reserves the cap
+        lambda a, p, t, m, ml: {"static": ml, "orca-max": p + m}.get(a, p + t),  # orca-max not capped, pow2 = oracle
+        lambda a, p, t, m, ml: {"static": ml, "orca-max": min(p + m, ml), "orca-pow2": p + 2 * t}.get(a, p + t),
+    ],
     "3.1": [MEMORY["kv_budget_bytes"], MEMORY["num_blocks"]],
     "3.2": [lambda s: s["reservation"] + s["internal_fragmentation"] + s["external_fragmentation"]],
     "4.1": [lambda t, b, p: t[p // b] + p % b],

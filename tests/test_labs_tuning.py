@@ -252,7 +252,11 @@ def test_bad_arguments_are_named_before_any_run(tiny_model):
 
 def test_chunked_prefill_off_with_a_budget_below_the_prompt_is_labelled_so(tiny_model):
     off = chunked.arrival_run(
-        _arrival_trace(), model=str(tiny_model), max_model_len=256, max_num_batched_tokens=64, enable_chunked_prefill=False
+        _arrival_trace(),
+        model=str(tiny_model),
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=False,
     )
     row = chunked.tradeoff_row(off)
     assert max(row["long_chunks"]) > 1 and row["label"] == "B=64 off, split anyway"

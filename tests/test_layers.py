@@ -24,7 +24,20 @@ PACKAGES = ("workbench", "kernels")
 LAYERS: dict[int, tuple[str, ...]] = {
     # plain data and the KV managers: the engine arguments, requests, sampling parameters, the
     # model/GPU catalogue (imports nothing of ours; config asks it which names are the bundled model)
-    0: ("config", "cpu_dtype", "request", "sampling_params", "kv", "units", "comm", "inputs", "outputs", "plugins", "catalog", "allocators"),
+    0: (
+        "config",
+        "cpu_dtype",
+        "request",
+        "sampling_params",
+        "kv",
+        "units",
+        "comm",
+        "inputs",
+        "outputs",
+        "plugins",
+        "catalog",
+        "allocators",
+    ),
     # what the model and the engine core build on: attention backends and kernels, communication
     # counters, step statistics, the scheduler (over kv/), the sampler and its operations (penalties,
     # logprobs), the output processor (incremental text, stop strings), the KV managers' conformance

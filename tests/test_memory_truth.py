@@ -25,12 +25,12 @@ def total(s) -> int:
     return sum(getattr(s, c) for c in CATEGORIES)
 
 
-def run(llm: LLM, prompts, max_tokens, expected=None):
+def run(llm: LLM, prompts, max_tokens, true=None):
     """Generate with a fresh recorder; return (outputs, steps)."""
     eng = llm.llm_engine
     eng.recorder = Recorder()
     sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
-    outs = llm.generate(prompts, sps, expected_output_lens=expected)
+    outs = llm.generate(prompts, sps, true_output_lens=true)
     return outs, eng.recorder.steps
 
 
@@ -67,8 +67,8 @@ def test_five_categories_sum_to_the_pool_every_step(engines, allocator, trace, s
     rng = random.Random(seed)
     prompts = [[rng.randrange(2, 250) for _ in range(p)] for p, _, _ in trace]
     max_tokens = [m for _, m, _ in trace]
-    expected = [min(t, m) for _, m, t in trace]
-    outs, steps = run(llm, prompts, max_tokens, expected)
+    true = [t for _, _, t in trace]  # each request ends at its true length, or at max_tokens when that is smaller
+    outs, steps = run(llm, prompts, max_tokens, true)
     pool = 48 * 4
     assert steps
     for s in steps:
@@ -81,11 +81,8 @@ def test_five_categories_sum_to_the_pool_every_step(engines, allocator, trace, s
             assert s.external_fragmentation == 0
             # internal fragmentation: at most the unused tail of each holder's last block
             assert s.internal_fragmentation <= s.num_running * 3
-    if allocator in ("orca-oracle", "orca-pow2"):
-        # output capped at the known true length
-        assert [len(o.outputs[0].token_ids) for o in outs] == expected
-    else:
-        assert [len(o.outputs[0].token_ids) for o in outs] == max_tokens
+    assert [len(o.outputs[0].token_ids) for o in outs] == [min(t, m) for _, m, t in trace]
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop" if t < m else "length" for _, m, t in trace]
     # every request released its blocks and was settled
     assert not llm.llm_engine.accounting.holding and not llm.llm_engine.kv.block_tables
 
@@ -175,11 +172,11 @@ def test_reservation_sizes():
     assert reservation_tokens("static", 10, 20, 64) == 64
     assert reservation_tokens("orca-max", 10, 20, 64) == 30
     assert reservation_tokens("orca-max", 60, 20, 64) == 64
-    assert reservation_tokens("orca-oracle", 10, 20, 64, expected_output_len=7) == 17
-    assert reservation_tokens("orca-pow2", 10, 20, 64, expected_output_len=7) == 18  # 7 -> 8
-    assert reservation_tokens("orca-pow2", 10, 20, 64, expected_output_len=17) == 30  # 32 capped by max_tokens
+    assert reservation_tokens("orca-oracle", 10, 20, 64, true_output_len=7) == 17
+    assert reservation_tokens("orca-pow2", 10, 20, 64, true_output_len=7) == 18  # 7 -> 8
+    assert reservation_tokens("orca-pow2", 10, 20, 64, true_output_len=17) == 30  # 32 capped by max_tokens
     assert [next_pow2(n) for n in (1, 2, 3, 17, 64)] == [1, 2, 4, 32, 64]
-    with pytest.raises(ValueError, match="expected_output_len"):
+    with pytest.raises(ValueError, match="true_output_len"):
         reservation_tokens("orca-oracle", 10, 20, 64)
 
 
@@ -190,7 +187,7 @@ def test_contiguous_refuses_what_it_cannot_do(tiny_model, engines):
         LLM(model=str(tiny_model), kv_allocator="slab")
     with pytest.raises(ValueError, match="n=2"):
         engines["orca-max"].generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=3))
-    with pytest.raises(ValueError, match="expected_output_lens"):
+    with pytest.raises(ValueError, match="true_output_lens"):
         engines["orca-oracle"].generate([[5, 6, 7]], SamplingParams(max_tokens=3))
 
 

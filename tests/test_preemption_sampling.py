@@ -266,4 +266,3 @@ def test_abort_in_every_state(tiny_model):
     assert sum(o.outputs[0].finish_reason == "abort" for o in done.values()) >= 2
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
     assert eng.kv.swap_pool.num_free_blocks == eng.kv.swap_pool.num_blocks
-

@@ -191,14 +191,23 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
 @click.option("--num-prompts", default=64, show_default=True, type=int, help="use the first N prompts")
 @click.option("--max-tokens", default=128, show_default=True, type=int, help="output cap per request")
 @click.option("--output-dir", default="runs", show_default=True, help="parent of the compare-<timestamp> folder")
+@click.option(
+    "--true-output-lens",
+    default="auto",
+    show_default=True,
+    help="each request's true output length (it ends there, as at EOS; orca-pow2/oracle reserve by it): "
+    "model (a paged run first), trace (the dataset's output_len), exponential:M (seeded, mean M tokens, "
+    "EOS ignored), auto (trace if every prompt has one, else model)",
+)
 @engine_options(exclude=("kv_allocator", "batching_policy"))
-def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, **kw):
+def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, true_output_lens, **kw):
     """Serve the same prompts (greedy) once per allocator x batching policy, and write compare.html
     with the waste breakdown side by side, throughput, TTFT and requests batched.
 
     \b
     workbench compare --num-prompts 32 --max-model-len 1024 --kv-cache-memory-bytes 48MiB
     workbench compare --kv-allocator paged --batching-policy continuous,static,grouped
+    workbench compare --max-tokens 512 --true-output-lens exponential:32   # the paper's Fig. 2 order
     """
     from rich.console import Console
     from rich.table import Table
@@ -214,6 +223,7 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
             num_prompts=num_prompts,
             max_tokens=max_tokens,
             output_dir=output_dir,
+            true_output_lens=true_output_lens,
             **_engine_args(kw),
         )
     except (ValueError, FileNotFoundError) as e:

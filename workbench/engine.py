@@ -23,7 +23,7 @@ from workbench.allocators.defrag import Defragmenter
 from workbench.attention.backend import check_backend
 from workbench.config import EngineConfig
 from workbench.executor import make_executor
-from workbench.inputs import Prompt, prompt_refusal, tokenize_prompt
+from workbench.inputs import Prompt, check_true_output_len, prompt_refusal, tokenize_prompt
 from workbench.kv import make_kv_manager, plugin_class
 from workbench.memory import MemoryBudget, resolve_lengths, swap_pool_blocks
 from workbench.metrics import Recorder, request_record
@@ -128,15 +128,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         tokenized: tuple[list[int], str | None] | None = None,
         priority: int = 0,
-        expected_output_len: int | None = None,
+        true_output_len: int | None = None,
     ) -> str:
         """Queue a request; return its id.
 
         ``tokenized`` = the ``(token_ids, text)`` of :meth:`tokenize` when the caller already has them.
         ``priority``: lower values are served first under ``scheduling_policy="priority"``.
-        ``expected_output_len``: the request's true output length (tokens), from a previous run or
-        the trace; ``kv_allocator="orca-oracle"`` / ``"orca-pow2"`` reserve by it and cap
-        ``max_tokens`` at it (so the reservation always holds the output).
+        ``true_output_len``: a replayed trace's output length (tokens; vLLM has no such argument, as its
+        model decides): the request ends there with ``finish_reason="stop"``, as if its model had emitted
+        EOS, unless ``max_tokens`` ends it first; ``orca-oracle`` / ``orca-pow2`` reserve by it (kv/contiguous.py).
         With ``sampling_params.n > 1`` the request runs as n sequences that share the prompt's
         blocks; its output (one ``RequestOutput`` with n ``outputs``) comes when all n finish.
 
@@ -146,11 +146,12 @@ class LLMEngine:
 
         Raises:
             ValueError: a bad prompt (:func:`workbench.inputs.tokenize_prompt`), a bad sampling parameter
-                (:meth:`SamplingParams.verify`), or a request id in use (also as an ``n > 1`` sequence's ``<id>#<i>``);
-                nothing is queued.
+                (:meth:`SamplingParams.verify`), a request id in use (also as an ``n > 1`` sequence's ``<id>#<i>``),
+                or a ``true_output_len`` that is not an int >= 1; nothing is queued.
         """
         sp = sampling_params or SamplingParams()
         sp.verify()  # (also a field changed after construction)
+        check_true_output_len(true_output_len)
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(
                 f"priority={priority} is given but scheduling_policy={self.config.scheduling_policy!r} ignores it; "
@@ -168,11 +169,11 @@ class LLMEngine:
             raise ValueError(
                 f"request_id {request_id!r} is already in the engine (a request's or an n > 1 sequence's '<id>#<i>'); use a unique id"
             )
-        cap = self.kv.declare(request_id, len(ids), sp.max_tokens, self.max_model_len, expected_output_len)
+        cap = self.kv.declare(request_id, len(ids), sp.max_tokens, self.max_model_len, true_output_len)
         if cap is not None:  # the reservation holds no more output than this
             sp = replace(sp, max_tokens=cap, min_tokens=min(sp.min_tokens, cap))
         arrival = self.clock() if arrival_time is None else arrival_time
-        group = self._make_group(request_id, ids, text, sp, arrival, priority)
+        group = self._make_group(request_id, ids, text, sp, arrival, priority, true_output_len)
         error = prompt_refusal(len(ids), self.max_model_len, self.kv.pool_tokens)
         if error:
             for child in group:
@@ -189,7 +190,7 @@ class LLMEngine:
         ids = [request_id] + [f"{request_id}#{i}" for i in range(n if n > 1 else 0)]
         return any(i in self.groups or i in self.requests for i in ids) or request_id.rpartition("#")[0] in self.groups
 
-    def _make_group(self, request_id: str, ids, text, sp: SamplingParams, arrival: float, priority: int):
+    def _make_group(self, request_id: str, ids, text, sp: SamplingParams, arrival: float, priority: int, true_len):
         """The request's ``n`` sequences (one unless parallel sampling), each with its random stream."""
         seed = sp.seed if sp.seed is not None else self.config.seed * 1_000_003 + self._counter
         self._counter += 1
@@ -204,6 +205,7 @@ class LLMEngine:
                 eos_token_id=self.eos_token_id,
                 max_total_len=self.max_model_len,
                 priority=priority,
+                true_output_len=true_len,
                 parent_id=request_id,
                 index=i,
             )

@@ -110,3 +110,21 @@ def prompt_refusal(n: int, max_model_len: int, pool_tokens: int) -> str | None:
             "or give the KV cache more memory"
         )
     return None
+
+
+def check_true_output_len(value, name: str = "true_output_len") -> None:
+    """Refuse a request's true output length that is not ``None`` or an int >= 1 (tokens).
+
+    A true output length replays a trace: the request ends there as if its model had emitted EOS
+    (:meth:`workbench.engine.LLMEngine.add_request`). vLLM has no such argument: its requests end where
+    the model decides; a trace replay needs the trace's lengths.
+
+    Raises:
+        ValueError: ``value`` is a bool, a non-integer (e.g. ``12.5`` or ``"12"``) or below 1; naming it and the fix.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}={value!r} is not an int; give the output length in tokens (an int >= 1), or None")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1 token (a request produces at least one token), or None")

@@ -52,6 +52,7 @@ class Request:
     num_prefill_chunks: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     priority: int = 0  # lower value = served first under scheduling_policy="priority" (vLLM's convention)
+    true_output_len: int | None = None  # a replayed trace's output length: ends here, finish "stop" (not in vLLM)
     parent_id: str | None = None  # the user's request id, for a parallel-sampling sibling
     index: int = 0  # which of the n sequences this is
     generator: torch.Generator | None = None  # the sampler's random stream (None: greedy)
@@ -85,8 +86,9 @@ class Request:
 
     @property
     def max_output_tokens(self) -> int:
-        """Most output tokens this request can reach: ``max_tokens`` capped by ``max_model_len``."""
-        return min(self.sampling_params.max_tokens, self.max_total_len - self.num_prompt_tokens)
+        """Most output tokens this request can reach: ``max_tokens`` capped by ``max_model_len`` and ``true_output_len``."""
+        cap = min(self.sampling_params.max_tokens, self.max_total_len - self.num_prompt_tokens)
+        return cap if self.true_output_len is None else min(cap, self.true_output_len)
 
     @property
     def is_finished(self) -> bool:
@@ -103,4 +105,6 @@ class Request:
         n = len(self.output_token_ids)  # >= max_output_tokens, without the properties (per-step path)
         if n >= sp.max_tokens or n >= self.max_total_len - len(self.prompt_token_ids):
             return RequestStatus.FINISHED_LENGTH
+        if n == self.true_output_len:  # where the trace's model emitted EOS (after the cap, as vLLM's check_stop)
+            return RequestStatus.FINISHED_STOPPED
         return None

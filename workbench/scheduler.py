@@ -460,6 +460,7 @@ class Scheduler:
                 (tok != req.eos_token_id or sp.ignore_eos)
                 and not sp.stop_token_ids
                 and n_out < sp.max_tokens
+                and n_out != req.true_output_len
                 and n_out + len(req.prompt_token_ids) < req.max_total_len
             ):
                 continue  # none of Request.check_stop's conditions holds (checked without the call)

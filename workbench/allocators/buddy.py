@@ -93,7 +93,7 @@ class BuddyKVCacheManager(KVManager):
         num_prompt_tokens: int,
         max_tokens: int,
         max_model_len: int,
-        expected_output_len: int | None = None,
+        true_output_len: int | None = None,
     ) -> int | None:
         """Size the request's reservation: ``orca-max``'s (prompt + ``max_tokens``, capped by ``max_model_len``),
         at most the largest segment (tokens; rounded to a power of two of blocks by :meth:`reservation_blocks`).

@@ -1,10 +1,13 @@
 """``workbench compare``: the same trace through several KV allocators and batching policies.
 
 Each variant is a full engine run (:func:`workbench.bench.run.run_job`) of the same prompts with
-the same sampling; only ``kv_allocator`` / ``batching_policy`` change. The oracle allocators
-(``orca-oracle``, ``orca-pow2``) get each request's true output length from the ``paged`` run
-(which runs first, and is added when it was not asked for), or from the trace when it records
-them. One folder holds a run folder per variant, ``compare.json`` (one flat row per variant) and
+the same sampling; only ``kv_allocator`` / ``batching_policy`` change. Every variant replays the
+same true output length per request (each request ends there, as if its model had emitted EOS;
+the oracle allocators ``orca-oracle`` and ``orca-pow2`` reserve by it), taken from the trace when
+it records them, from a seeded long-tailed distribution, or from the ``paged`` run (which runs
+first, and is added when an oracle allocator needs them and it was not asked for): :mod:`workbench.bench.output_lens`. With a
+``max_tokens`` cap well above long-tailed true lengths the five allocators order as the vLLM
+paper's Fig. 2. One folder holds a run folder per variant, ``compare.json`` (one flat row per variant) and
 ``compare.html`` (the waste breakdown side by side, throughput, TTFT, requests batched, the
 memory timelines and latency CDFs).
 """
@@ -18,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from workbench.bench.datasets import select_prompts
+from workbench.bench.output_lens import true_output_lens_for
 from workbench.bench.run import JobResult, run_job
 from workbench.kv.contiguous import KV_ALLOCATORS
 from workbench.metrics.waste import USED_CATEGORIES, WASTE_CATEGORIES, waste_breakdown
@@ -79,6 +83,7 @@ def compare(
     max_tokens: int = 128,
     output_dir: str | Path | None = "runs",
     progress: bool = True,
+    true_output_lens: str | list[int] = "auto",
     **engine_args,
 ) -> Comparison:
     """Run every (allocator, batching policy) pair on the same prompts.
@@ -88,10 +93,15 @@ def compare(
         batching_policies: values of ``batching_policy``.
         dataset, num_prompts, max_tokens: as :func:`~workbench.bench.run.run_job` (greedy sampling).
         output_dir: parent of the ``compare-<timestamp>`` folder; ``None`` writes nothing.
+        true_output_lens: where each request's true output length comes from: ``"auto"``, ``"model"``,
+            ``"trace"``, ``"exponential:M"`` (:mod:`workbench.bench.output_lens`; seeded by the engine's
+            ``seed``), or one length per prompt. Lengths not from the model are replayed with EOS ignored
+            (the request ends at its true length or the cap, not where this model would stop).
         **engine_args: other engine arguments, the same for every variant.
 
     Raises:
-        ValueError: an unknown allocator or policy (before any model loads), or bad engine arguments.
+        ValueError: an unknown allocator or policy, a bad ``true_output_lens`` (before any model loads), or bad
+            engine arguments.
     """
     bad = [a for a in allocators if a not in KV_ALLOCATORS and not is_plugin_name(a)] + [
         p for p in batching_policies if p not in BATCHING_POLICIES
@@ -104,9 +114,10 @@ def compare(
     for k in ("kv_allocator", "batching_policy"):
         engine_args.pop(k, None)
     records, short = select_prompts(num_prompts, dataset)
+    lens = true_output_lens_for(records, true_output_lens, max_tokens, seed=engine_args.get("seed", 0))
+    replay = lens is not None  # lengths not measured from this model: EOS ignored, the request ends at them
     variants = [(a, p) for p in batching_policies for a in allocators]
-    needs_oracle = any(a in ("orca-oracle", "orca-pow2") for a, _ in variants)
-    if needs_oracle and not all(r.output_len for r in records):
+    if not replay and any(a in ("orca-oracle", "orca-pow2") for a, _ in variants):
         policy = batching_policies[0]
         if ("paged", policy) in variants:
             variants.remove(("paged", policy))
@@ -116,7 +127,6 @@ def compare(
         out_dir = Path(output_dir) / datetime.now().strftime("compare-%Y%m%d-%H%M%S")
     results: dict[str, JobResult] = {}
     rows = []
-    lens = [r.output_len for r in records] if all(r.output_len for r in records) else None
     for a, p in variants:
         label = variant_label(a, p)
         res = run_job(
@@ -129,7 +139,8 @@ def compare(
             progress_label=label,
             kv_allocator=a,
             batching_policy=p,
-            expected_output_lens=lens if a in ("orca-oracle", "orca-pow2") else None,
+            true_output_lens=lens,
+            ignore_eos=replay,
             **engine_args,
         )
         if a == "paged" and lens is None:
@@ -138,8 +149,13 @@ def compare(
         rows.append(compare_row(label, a, p, res))
     if out_dir is not None:
         (out_dir / "compare.json").write_text(json.dumps(rows, indent=2))
-        write_compare_report(out_dir / "compare.html", rows, results, engine_args | {"max_tokens": max_tokens})
+        config = engine_args | {"max_tokens": max_tokens, "true_output_lens": _lens_label(true_output_lens)}
+        write_compare_report(out_dir / "compare.html", rows, results, config)
     return Comparison(rows, results, out_dir, [short] if short else [])
+
+
+def _lens_label(source) -> str:
+    return source if isinstance(source, str) else f"{len(source)} given"
 
 
 _COLUMNS = [

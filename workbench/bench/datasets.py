@@ -58,7 +58,9 @@ class PromptRecord:
             prompt is then sent as a single user message); False to feed the text as is.
         id: identifier, unique within the file it came from.
         max_tokens: cap on generated tokens requested for this prompt, if the file gives one.
-        output_len: the true output length in tokens when a trace records it, else None.
+        output_len: the true output length in tokens when a trace records it, else None. A run
+            replays it when every record has one (``true_output_lens`` of
+            :func:`~workbench.bench.run.run_job`: the request ends there, as at EOS).
         reply: ShareGPT only: the ``"gpt"`` turn that answers the prompt, if the conversation has one
             (``workbench bench serve`` tokenises it for the output length, as vLLM's ShareGPT
             sampler does); not compared or shown.

@@ -20,6 +20,7 @@ from workbench.bench.samples import prefix_repetition_records
 from workbench.config import EngineConfig
 from workbench.entrypoints.llm import LLM
 from workbench.entrypoints.progress import labelled_tqdm
+from workbench.inputs import check_true_output_len
 from workbench.metrics import JsonlSink, Recorder
 from workbench.metrics.stats import prefix_cache_summary
 from workbench.metrics.waste import flatten_breakdown, waste_breakdown
@@ -67,7 +68,7 @@ def run_job(
     progress: bool = True,
     progress_label: str | None = None,
     llm: LLM | None = None,
-    expected_output_lens: list[int] | None = None,
+    true_output_lens: list[int] | None = None,
     run_name: str | None = None,
     records: list[PromptRecord] | None = None,
     sinks: list | None = None,
@@ -89,10 +90,12 @@ def run_job(
         progress: show progress bars of finished requests and of tokens processed.
         progress_label: names the bars (``"paged / static: requests"``), e.g. a variant of ``compare``.
         llm: an already built engine (``engine_args`` are then ignored).
-        expected_output_lens: true output length (tokens) per prompt, for the ``orca-oracle`` and
-            ``orca-pow2`` allocators. When they are not given, the records' ``output_len`` is used if
-            every record has one; otherwise a ``kv_allocator="paged"`` run of the same prompts
-            measures them first (its outputs are the model's own, so the oracle is exact).
+        true_output_lens: true output length (tokens) per prompt, to replay a trace: each request
+            ends there (``finish_reason="stop"``) unless its ``max_tokens`` ends it first, with every
+            allocator; ``orca-pow2`` / ``orca-oracle`` reserve by them (:mod:`workbench.bench.output_lens`).
+            When they are not given, the records' ``output_len`` are used if every record has one;
+            otherwise ``orca-oracle`` / ``orca-pow2`` get them from a ``kv_allocator="paged"`` run of the
+            same prompts first (its outputs are the model's own, so the oracle is exact).
         run_name: the run folder's name under ``output_dir`` (default: a timestamp).
         records: the prompts themselves, instead of ``dataset`` (``num_prompts`` still applies).
         sinks: more recorder sinks (e.g. a :class:`~workbench.viz.live.LiveMonitor`'s ``sink``).
@@ -132,30 +135,36 @@ def run_job(
     if llm is None:
         EngineConfig(**engine_args).validate()  # bad arguments fail here, before any model loads
     allocator = llm.llm_engine.config.kv_allocator if llm is not None else engine_args.get("kv_allocator", "paged")
-    if allocator in ("orca-oracle", "orca-pow2") and expected_output_lens is None:
-        if all(r.output_len for r in records):
-            expected_output_lens = [r.output_len for r in records]
-        else:
-            log.info(
-                "kv_allocator=%s reserves by each request's true output length: measuring them first with a "
-                "kv_allocator='paged' run of the same prompts",
-                allocator,
+    if true_output_lens is None and all(r.output_len for r in records):
+        true_output_lens = [r.output_len for r in records]  # a trace that records them: replayed
+    if true_output_lens is not None:
+        if len(true_output_lens) != len(records):
+            raise ValueError(
+                f"{len(true_output_lens)} true output lengths for {len(records)} prompts; give one per prompt"
             )
-            base = {k: v for k, v in engine_args.items() if k not in ("kv_allocator", "batching_policy")}
-            pre = run_job(
-                records=records,
-                num_prompts=None,  # records are this job's already: no second warning
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                ignore_eos=ignore_eos,
-                output_dir=None,
-                progress=progress,
-                progress_label=f"{progress_label + ', ' if progress_label else ''}paged run for the output lengths",
-                **base,
-            )
-            expected_output_lens = [max(1, len(o.outputs[0].token_ids)) for o in pre.outputs]
+        for i, n in enumerate(true_output_lens):
+            check_true_output_len(n, f"true_output_lens[{i}]")  # before any model loads
+    if allocator in ("orca-oracle", "orca-pow2") and true_output_lens is None:
+        log.info(
+            "kv_allocator=%s reserves by each request's true output length: measuring them first with a "
+            "kv_allocator='paged' run of the same prompts",
+            allocator,
+        )
+        base = {k: v for k, v in engine_args.items() if k not in ("kv_allocator", "batching_policy")}
+        pre = run_job(
+            records=records,
+            num_prompts=None,  # records are this job's already: no second warning
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            ignore_eos=ignore_eos,
+            output_dir=None,
+            progress=progress,
+            progress_label=f"{progress_label + ', ' if progress_label else ''}paged run for the output lengths",
+            **base,
+        )
+        true_output_lens = [max(1, len(o.outputs[0].token_ids)) for o in pre.outputs]
     run_dir = None
     sinks = list(sinks or [])
     created = False
@@ -182,7 +191,7 @@ def run_job(
     prompts = [to_engine_prompt(r) for r in records]
     t0 = time.perf_counter()
     bars = labelled_tqdm(progress_label) if progress and progress_label else progress
-    outputs = llm.generate(prompts, params, use_tqdm=bars, expected_output_lens=expected_output_lens)
+    outputs = llm.generate(prompts, params, use_tqdm=bars, true_output_lens=true_output_lens)
     wall = time.perf_counter() - t0
     recorder.close()
     steps = [s.to_dict() for s in recorder.steps]
@@ -213,6 +222,7 @@ def run_job(
             "max_tokens": max_tokens,
             "temperature": temperature,
             "ignore_eos": ignore_eos,
+            "true_output_lens": "given per request (a trace replay)" if true_output_lens else "none (EOS or the cap)",
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (run_dir / "config.json").write_text(json.dumps(config | {"memory": memory}, indent=2, default=str))

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from workbench.config import EngineConfig
 from workbench.engine import LLMEngine
-from workbench.inputs import Prompt, as_prompt_list
+from workbench.inputs import Prompt, as_prompt_list, check_true_output_len
 from workbench.metrics import Recorder
 from workbench.outputs import RequestOutput
 from workbench.sampling import SamplingParams
@@ -61,7 +61,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable = False,
         priority: Sequence[int] | None = None,
-        expected_output_lens: Sequence[int] | None = None,
+        true_output_lens: Sequence[int | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched by the engine; outputs come in the prompts' order.
 
@@ -72,12 +72,14 @@ class LLM:
             use_tqdm: show progress bars of finished requests and of tokens processed (prefill and
                 decode; :mod:`workbench.entrypoints.progress`), or a tqdm-like factory to make them with.
             priority: one per prompt (lower = sooner) under ``scheduling_policy="priority"``.
-            expected_output_lens: one true output length (tokens) per prompt, for
-                ``kv_allocator="orca-oracle"`` / ``"orca-pow2"`` (see :meth:`LLMEngine.add_request`).
+            true_output_lens: one true output length (tokens, or ``None``) per prompt, to replay a trace:
+                each request ends there with ``finish_reason="stop"`` unless ``max_tokens`` ends it first,
+                whatever the allocator; ``kv_allocator="orca-oracle"`` / ``"orca-pow2"`` reserve by it and
+                need it (see :meth:`LLMEngine.add_request`). vLLM has no such argument (its model decides).
 
         Raises:
-            ValueError: an empty prompt, a bad token id, a bad sampling parameter, or a mismatched
-                number of sampling params; TypeError: something that is not a prompt (``123``, ``None``)
+            ValueError: an empty prompt, a bad token id, a bad sampling parameter, a true output length
+                that is not an int >= 1, or a mismatched number of sampling params or lengths; TypeError: something that is not a prompt (``123``, ``None``)
                 or not a ``SamplingParams``. All are raised before any request is queued, so nothing is lost.
         """
         prompts = as_prompt_list(prompts)
@@ -107,16 +109,18 @@ class LLM:
                 f"priority is given but scheduling_policy={eng.config.scheduling_policy!r} ignores it; "
                 "create the LLM with scheduling_policy='priority'"
             )
-        lens = list(expected_output_lens) if expected_output_lens is not None else [None] * len(prompts)
+        lens = list(true_output_lens) if true_output_lens is not None else [None] * len(prompts)
         if len(lens) != len(prompts):
-            raise ValueError(f"{len(lens)} expected output lengths for {len(prompts)} prompts; give one per prompt")
+            raise ValueError(f"{len(lens)} true output lengths for {len(prompts)} prompts; give one per prompt")
+        for i, n in enumerate(lens):
+            check_true_output_len(n, f"true_output_lens[{i}]")
         if eng.config.kv_allocator in ("orca-oracle", "orca-pow2") and None in lens:
             raise ValueError(
                 f"kv_allocator={eng.config.kv_allocator!r} needs each prompt's true output length: pass "
-                "expected_output_lens (e.g. from a kv_allocator='paged' run), or use kv_allocator='orca-max'"
+                "true_output_lens (e.g. from a kv_allocator='paged' run), or use kv_allocator='orca-max'"
             )
         for rid, p, sp, tok, pr, n in zip(ids, prompts, sps, tokenized, prios, lens):
-            eng.add_request(rid, p, sp, tokenized=tok, priority=pr, expected_output_len=n)
+            eng.add_request(rid, p, sp, tokenized=tok, priority=pr, true_output_len=n)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

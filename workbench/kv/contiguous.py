@@ -19,8 +19,8 @@ How much each request reserves (tokens, rounded up to whole blocks, capped by th
 ``orca-oracle`` prompt + the true output length ("Orca (Oracle)"; needs the true length)
 ==============  ====================================================================================================
 
-The true output length comes from a previous run or the trace (``expected_output_len`` of
-:meth:`workbench.engine.LLMEngine.add_request`).
+The true output length comes from the trace or a previous run (``true_output_len`` of
+:meth:`workbench.engine.LLMEngine.add_request`, which also ends the request there, for every allocator).
 
 A request whose reservation does not fit any hole waits (the scheduler stops admitting, first come first served), as
 it would in such a system. Once admitted it never needs another block, so it is never preempted. Prefix caching,
@@ -44,30 +44,30 @@ def next_pow2(n: int) -> int:
 
 
 def reservation_tokens(
-    allocator: str, num_prompt_tokens: int, max_tokens: int, max_model_len: int, expected_output_len: int | None = None
+    allocator: str, num_prompt_tokens: int, max_tokens: int, max_model_len: int, true_output_len: int | None = None
 ) -> int:
     """Tokens a contiguous allocator reserves for a request at admission: at most ``max_model_len``, except for
     ``orca-pow2``, which may round beyond it (the caller caps by the pool). Raises ``ValueError`` for an unknown
-    allocator, or ``orca-pow2``/``orca-oracle`` without ``expected_output_len``.
+    allocator, or ``orca-pow2``/``orca-oracle`` without ``true_output_len``.
 
     Args:
         allocator: one of :data:`CONTIGUOUS_ALLOCATORS`.
         num_prompt_tokens, max_tokens, max_model_len: the prompt's length, the request's output cap and the engine's
             longest sequence (tokens).
-        expected_output_len: the true output length (tokens), for ``orca-pow2`` / ``orca-oracle``.
+        true_output_len: the true output length (tokens), for ``orca-pow2`` / ``orca-oracle``.
     """
     if allocator == "static":
         return max_model_len
     if allocator == "orca-max":
         return min(num_prompt_tokens + max_tokens, max_model_len)
     if allocator in ("orca-pow2", "orca-oracle"):
-        if expected_output_len is None:
+        if true_output_len is None:
             raise ValueError(
                 f"kv_allocator={allocator!r} reserves by the request's true output length, which was not given; "
-                "pass expected_output_len to add_request (workbench compare and run_job take it from a paged "
-                "run first), or use kv_allocator='orca-max'"
+                "pass true_output_len to add_request (true_output_lens to LLM.generate / run_job; workbench "
+                "compare takes them from the trace or a paged run first), or use kv_allocator='orca-max'"
             )
-        out = max(1, min(expected_output_len, max_tokens))
+        out = max(1, min(true_output_len, max_tokens))
         if allocator == "orca-oracle":
             return min(num_prompt_tokens + out, max_model_len)
         return num_prompt_tokens + min(next_pow2(out), max(max_tokens, out))
@@ -105,14 +105,12 @@ class ContiguousKVCacheManager(KVManager):
         num_prompt_tokens: int,
         max_tokens: int,
         max_model_len: int,
-        expected_output_len: int | None = None,
+        true_output_len: int | None = None,
     ) -> int | None:
-        """Size the request's reservation (:func:`reservation_tokens`, capped by the pool); ``orca-pow2`` and
-        ``orca-oracle`` return the true output length as the output cap (``ValueError`` without it)."""
-        reserve = reservation_tokens(self.allocator, num_prompt_tokens, max_tokens, max_model_len, expected_output_len)
+        """Size the request's reservation (:func:`reservation_tokens`, capped by the pool). No output cap: the
+        request ends at ``min(true_output_len, max_tokens)`` (the engine stops it there), which the reservation holds."""
+        reserve = reservation_tokens(self.allocator, num_prompt_tokens, max_tokens, max_model_len, true_output_len)
         self._reserve[request_id] = max(1, min(reserve, self.pool_tokens))
-        if self.allocator in ("orca-oracle", "orca-pow2"):
-            return max(1, min(max_tokens, expected_output_len))
         return None
 
     def reservation_blocks(self, request_id: str) -> int:

@@ -114,12 +114,12 @@ class KVManager(ABC):
         num_prompt_tokens: int,
         max_tokens: int,
         max_model_len: int,
-        expected_output_len: int | None = None,
+        true_output_len: int | None = None,
     ) -> int | None:
         """A request's sizes before it is queued (tokens), for a manager that reserves ahead.
 
-        Contiguous allocators size their reservation from them (``expected_output_len``: the true
-        output length, from a trace or an earlier run); a manager that allocates on demand ignores them.
+        Contiguous allocators size their reservation from them (``true_output_len``: the true
+        output length, from a trace or an earlier run, where the engine ends the request); a manager that allocates on demand ignores them.
 
         Returns:
             the largest output the reservation will hold (the engine caps ``max_tokens`` at it),

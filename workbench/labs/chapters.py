@@ -134,11 +134,29 @@ def compare_allocators(
     """The same requests through each KV allocator (real runs); ``{allocator: JobResult}``.
 
     Defaults: :func:`~workbench.labs.runs.lab_trace`, a pool of 48 blocks of 16 tokens
-    (``num_gpu_blocks_override``) so that memory binds, ``max_model_len`` 256.
+    (``num_gpu_blocks_override``) so that memory binds, ``max_model_len`` 256. Every run replays each
+    record's true output length (``output_len``) under its cap (``max_tokens``): with a cap well above
+    the true lengths the five allocators order as the vLLM paper's Fig. 2.
     """
     records = list(records) if records is not None else lab_trace()
     args = {"num_gpu_blocks_override": 48} | engine_args
     return {a: lab_run(records, kv_allocator=a, **args) for a in allocators}
+
+
+def reservation_cases(result, records, max_model_len: int | None = None) -> list[dict[str, int]]:
+    """Each request of a run as ``{"prompt_len", "true_len", "max_tokens", "max_model_len"}`` (tokens): its
+    prompt's token count in that run, its true output length and cap (the record's ``output_len`` and
+    ``max_tokens``), and the engine's ``max_model_len`` (default: the lab's) — exercise 2.3's cases."""
+    mml = max_model_len or LAB_ENGINE_DEFAULTS["max_model_len"]
+    return [
+        {
+            "prompt_len": len(o.prompt_token_ids),
+            "true_len": r.output_len or r.max_tokens,
+            "max_tokens": r.max_tokens,
+            "max_model_len": mml,
+        }
+        for r, o in zip(records, result.outputs)
+    ]
 
 
 def paper_fig2_rows(results: dict[str, Any]) -> list[dict[str, Any]]:

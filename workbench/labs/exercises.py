@@ -203,6 +203,47 @@ class _MostExternal:
         )
 
 
+def reference_reserved_tokens(
+    allocator: str, prompt_len: int, true_len: int, max_tokens: int, max_model_len: int
+) -> int:
+    """Tokens a contiguous allocator reserves at admission (:func:`workbench.kv.contiguous.reservation_tokens`)."""
+    from workbench.kv.contiguous import reservation_tokens
+
+    return reservation_tokens(allocator, prompt_len, max_tokens, max_model_len, true_len)
+
+
+@_register(
+    "2.3",
+    "Write reserved_tokens(allocator, prompt_len, true_len, max_tokens, max_model_len): the tokens each "
+    "contiguous allocator (static, orca-max, orca-pow2, orca-oracle) reserves for a request at admission; "
+    "it is checked against the engine's rule on every request of your trace.",
+    "static: the longest sequence allowed; orca-max: prompt + the cap (at most max_model_len); orca-pow2: "
+    "prompt + the next power of two of the true length; orca-oracle: prompt + the true length.",
+)
+class _Reserved:
+    ALLOCATORS = ("static", "orca-max", "orca-pow2", "orca-oracle")
+
+    @staticmethod
+    def solution(cases: list) -> Callable:
+        return reference_reserved_tokens
+
+    @staticmethod
+    def judge(answer, cases: list) -> tuple[bool, str]:
+        if not callable(answer):
+            return False, f"give a function, got {type(answer).__name__}"
+        for a in _Reserved.ALLOCATORS:
+            for c in cases:
+                args = (c["prompt_len"], c["true_len"], c["max_tokens"], c["max_model_len"])
+                ref = reference_reserved_tokens(a, *args)
+                got = answer(a, *args)
+                if got != ref:
+                    return False, (
+                        f"{a}, prompt {args[0]}, true length {args[1]}, max_tokens {args[2]}, max_model_len "
+                        f"{args[3]}: yours {got!r}, the engine's {ref}"
+                    )
+        return True, f"the engine's reservation for all {len(cases)} requests under the four contiguous allocators"
+
+
 # ---------------------------------------------------------------- chapter 3: probes and logs
 @_register(
     "3.1",

@@ -204,8 +204,8 @@ def call_trace(allocator: type[KVManager] = NextFitKVManager, records=None, **en
     box = {"step": 0}
 
     class Traced(allocator):  # a subclass that records its calls (the allocator's code runs unchanged)
-        def declare(self, request_id, num_prompt_tokens, max_tokens, max_model_len, expected_output_len=None):
-            out = super().declare(request_id, num_prompt_tokens, max_tokens, max_model_len, expected_output_len)
+        def declare(self, request_id, num_prompt_tokens, max_tokens, max_model_len, true_output_len=None):
+            out = super().declare(request_id, num_prompt_tokens, max_tokens, max_model_len, true_output_len)
             calls.append(_call(box, "declare", request_id, num_prompt_tokens, out, self))
             return out
 

@@ -2,22 +2,22 @@
 
 Every run here is a real :func:`~workbench.bench.run.run_job` of the engine (the bundled
 SmolLM2-135M-Instruct in float32 by default, or any model folder given as ``model=``); nothing is
-pre-recorded. The lab trace fixes each request's output length (``ignore_eos`` with a per-request
-``max_tokens``), so the memory figures a chapter prints depend on the engine's decisions alone, not
-on which token the model picks — the stored notebook outputs that nbval compares are then the same
-on every machine.
+pre-recorded. The lab trace fixes each request's output length (its true output length, EOS
+ignored: each request ends there, or at its ``max_tokens`` cap when that comes first), so the memory
+figures a chapter prints depend on the engine's decisions alone, not on which token the model picks —
+the stored notebook outputs that nbval compares are then the same on every machine.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import random
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from workbench.bench.datasets import PromptRecord, default_prompts
+from workbench.bench.output_lens import exponential_output_lens
 from workbench.bench.run import JobResult, run_job
 
 __all__ = [
@@ -84,23 +84,28 @@ def lab_trace(
     min_output: int = 2,
     seed: int = 0,
     max_prompt_chars: int = 600,
+    max_tokens: int | None = None,
 ) -> list[PromptRecord]:
     """Real prompts (the project's own set) with a seeded, long-tailed output length each.
 
     Output lengths follow an exponential distribution of mean ``mean_output`` tokens, clipped to
     ``[min_output, max_output]`` — the long tail that makes reserving for the maximum wasteful
-    (ShareGPT's outputs are long-tailed; vLLM paper Fig. 11). Each record's ``max_tokens`` and
-    ``output_len`` are that length, and :func:`lab_run` ignores EOS, so every request produces
-    exactly that many tokens and the oracle allocators know it.
+    (ShareGPT's outputs are long-tailed; vLLM paper Fig. 11). Each record's ``output_len`` is that
+    length (its true output length: :func:`lab_run` ends the request there, EOS ignored, so every
+    request produces exactly that many tokens and the oracle allocators know it), and its
+    ``max_tokens`` (the declared cap, what ``orca-max`` reserves for) is ``max_tokens``, or the true
+    length itself when ``max_tokens`` is ``None``.
 
     Args:
         num_requests: how many records (prompts are taken in file order, skipping those longer
             than ``max_prompt_chars`` characters so that CPU runs stay short).
         mean_output, max_output, min_output: output lengths, tokens.
         seed: the random seed (same seed, same trace).
+        max_tokens: every request's cap (tokens, at least ``max_output``); ``None``: each request's
+            own true length (the cap is then exact, and ``orca-max`` reserves what ``orca-oracle`` does).
 
     Raises:
-        ValueError: a non-positive count or inconsistent bounds.
+        ValueError: a non-positive count, inconsistent bounds, or a cap below ``max_output``.
     """
     if num_requests < 1:
         raise ValueError(f"num_requests={num_requests} must be >= 1")
@@ -108,15 +113,14 @@ def lab_trace(
         raise ValueError(f"need 1 <= min_output ({min_output}) <= max_output ({max_output})")
     if mean_output <= 0:
         raise ValueError(f"mean_output={mean_output} must be > 0 tokens")
+    if max_tokens is not None and max_tokens < max_output:
+        raise ValueError(f"max_tokens={max_tokens} is below max_output={max_output}; give a cap >= max_output")
     pool = [r for r in default_prompts() if isinstance(r.prompt, str) and len(r.prompt) <= max_prompt_chars]
-    rng = random.Random(seed)
-    out = []
-    for i in range(num_requests):
-        rec = pool[i % len(pool)]
-        n = int(round(rng.expovariate(1.0 / mean_output)))
-        n = max(min_output, min(max_output, n))
-        out.append(replace(rec, id=f"{rec.id}-{i}", max_tokens=n, output_len=n))
-    return out
+    lens = exponential_output_lens(num_requests, mean_output, seed=seed, min_len=min_output, max_len=max_output)
+    return [
+        replace(pool[i % len(pool)], id=f"{pool[i % len(pool)].id}-{i}", max_tokens=max_tokens or n, output_len=n)
+        for i, n in enumerate(lens)
+    ]
 
 
 #: run_job's own keyword arguments (not engine arguments) that lab_run passes through
@@ -134,7 +138,8 @@ def lab_run(
     """One real engine run of ``records`` (default: :func:`lab_trace`) with the lab defaults.
 
     Args:
-        records: the requests; each record's ``max_tokens`` caps its output.
+        records: the requests; each record's ``max_tokens`` caps its output, and with ``ignore_eos`` its
+            ``output_len`` (else its ``max_tokens``) is its true output length, where it ends.
         sinks: extra recorder sinks, e.g. a ``LiveMonitor``'s ``sink`` for a live plot.
         output_dir: write a run folder (report, ``steps.jsonl``) under it; ``None`` writes nothing.
         ignore_eos: generate exactly ``max_tokens`` per request (default), so that memory figures do
@@ -159,7 +164,7 @@ def lab_run(
         output_dir=output_dir,
         progress=False,
         sinks=list(sinks or []),
-        expected_output_lens=[r.output_len or r.max_tokens for r in records] if ignore_eos else None,
+        true_output_lens=[r.output_len or r.max_tokens for r in records] if ignore_eos else None,
         **args,
     )
 

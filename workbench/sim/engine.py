@@ -378,7 +378,9 @@ class SimEngine(LLMEngine):
 
         ``eos=True``: it samples the end-of-sequence token as its ``output_len``-th token
         (``max_tokens`` = the ``add_trace`` cap, or ``max_model_len``); ``eos=False``: it runs to
-        ``max_tokens = output_len``. Prompt token ids are distinct per request (no prefix is shared).
+        ``max_tokens = output_len``. Either way ``output_len`` is the request's ``true_output_len``
+        (what the contiguous baselines reserve by; it ends the request there, as the sampled EOS or the
+        cap does). Prompt token ids are distinct per request (no prefix is shared).
         """
         if eos:
             cap = self._max_tokens or self.max_model_len
@@ -388,7 +390,7 @@ class SimEngine(LLMEngine):
             sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
         ids = [2 + (self._counter % 1_000_000_007)] + [0] * (prompt_len - 1)
         return self.add_request(
-            request_id, None, sp, arrival_time=arrival_time, tokenized=(ids, None), expected_output_len=output_len
+            request_id, None, sp, arrival_time=arrival_time, tokenized=(ids, None), true_output_len=output_len
         )
 
     def has_unfinished_requests(self) -> bool:
