@@ -12,6 +12,9 @@
 - :mod:`workbench.labs.tensor_parallel` — chapter 9: tensor parallelism, real and simulated;
 - :mod:`workbench.labs.nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
   (what both share: :mod:`workbench.labs.multigpu_common`);
+- :mod:`workbench.labs.eviction` — chapter 12: eviction policies for shared prefixes (real and simulated runs
+  per policy, the free queue, :class:`~workbench.labs.eviction.EvictionPanel`; a notebook's own policy class
+  registered by :func:`workbench.labs.notebook_classes.register`);
 - :mod:`workbench.labs.rank_memory` — chapter 14: memory beside the KV cache on every rank (measured on
   a TP=3 engine, modelled for 4-8 GPUs, a slider panel).
 
@@ -39,6 +42,7 @@ __all__ = [
 _MODULES = (
     "chapters",
     "chunked",
+    "eviction",
     "multigpu_common",
     "nccl_buffers",
     "panel",
