@@ -28,7 +28,7 @@ import plotly.graph_objects as go
 from workbench.allocators.eviction import BUILTIN, EvictionPolicy, LRUPolicy, eviction_policy_class
 from workbench.bench.samples import prefix_repetition_records
 from workbench.labs.multigpu_common import _Panel
-from workbench.viz.common import LEGEND_ABOVE, percent_axis, title_and_legend_above
+from workbench.viz.common import percent_axis, title_and_legend_above
 from workbench.viz.table import Column, Table
 
 __all__ = [
@@ -550,7 +550,6 @@ class EvictionPanel(_Panel):
             xaxis_title="run",
             yaxis=percent_axis(0, 1, "hit rate (prompt tokens from the cache)"),
         )
-        self.figure.update_layout(legend=LEGEND_ABOVE | self.figure.layout.legend.to_plotly_json())
         self._build(controls, self.figure)
 
     @staticmethod
