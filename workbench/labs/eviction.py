@@ -131,7 +131,7 @@ def popularity_figure(records, zipf: float) -> go.Figure:
         **title_and_legend_above(
             f"Tenant popularity: {n} tenant requests (tenant 0: {counts.get(0, 0)})"
             + (f" and {scans} scan prompts" if scans else ""),
-            360,
+            400,
         ),
         xaxis_title="tenant (its own system prompt)",
         yaxis={"title": "requests", "tickformat": ",d", "rangemode": "tozero"},
