@@ -143,9 +143,10 @@ def popularity_figure(records, zipf: float) -> go.Figure:
 def eviction_engine(**engine_args: Any):
     """A real engine (the lab defaults, :data:`REAL_ENGINE`, prefix caching on) to run every policy on: give it a
     policy and an empty cache with :func:`reset_prefix_cache` before each run."""
-    from workbench.labs.chapters import lab_engine
+    from workbench.entrypoints.llm import LLM
+    from workbench.labs.runs import LAB_ENGINE_DEFAULTS
 
-    return lab_engine(**(REAL_ENGINE | {"enable_prefix_caching": True} | engine_args))
+    return LLM(**(LAB_ENGINE_DEFAULTS | REAL_ENGINE | {"enable_prefix_caching": True} | engine_args))
 
 
 def reset_prefix_cache(llm, policy: str = "lru") -> None:
