@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -33,39 +32,17 @@ POLICIES = ("lru", "fifo", "lfu", "tests.fixtures.scan_resistant:ProtectedLRUPol
 
 
 def replay(policy: str, records, *, num_blocks: int, rate: float, output_len: int, model: str, gpu: str) -> dict:
-    """Run ``records`` (token-id prompts) through a simulated engine with ``prefix_cache_eviction=policy``;
-    return the run's figures (see the module docstring)."""
-    from workbench.catalog import MODELS
-    from workbench.config import EngineConfig
+    """Run ``records`` (token-id prompts) through a simulated engine with ``prefix_cache_eviction=policy``
+    (:func:`workbench.labs.eviction.sim_replay`, which chapter 12 runs too); return the run's figures (see the
+    module docstring)."""
+    from workbench.labs.eviction import sim_replay
     from workbench.metrics.stats import prefix_cache_summary
-    from workbench.sampling import SamplingParams
-    from workbench.sim import SimEngine, SimSpec, find_hardware
 
-    cfg = EngineConfig(
-        enable_prefix_caching=True,
-        prefix_cache_eviction=policy,
-        num_gpu_blocks_override=num_blocks,
-        max_num_seqs=16,
-        max_model_len=4096,
+    steps, requests, wall = sim_replay(
+        policy, records, num_blocks=num_blocks, rate=rate, output_len=output_len, model=model, gpu=gpu
     )
-    eng = SimEngine(cfg, SimSpec(MODELS[model], find_hardware(gpu), 1))
-    sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    pending = [(i / rate, r) for i, r in enumerate(records)]
-    t0 = time.perf_counter()
-    i = 0
-    while i < len(pending) or eng.has_unfinished_requests():
-        while i < len(pending) and pending[i][0] <= eng.now:
-            arrival, r = pending[i]
-            eng.add_request(r.id, None, sp, arrival_time=arrival, tokenized=(r.prompt, None))
-            i += 1
-        if not eng.has_unfinished_requests():
-            eng.clock.jump_to(pending[i][0])
-            continue
-        eng.step()
-    wall = time.perf_counter() - t0
-    steps = [s.to_dict() for s in eng.recorder.steps]
     summary = prefix_cache_summary(steps)
-    ttft = sorted(r.ttft_s for r in eng.recorder.requests if r.ttft_s is not None)
+    ttft = sorted(r["ttft_s"] for r in requests if r["ttft_s"] is not None)
     return {
         "policy": policy.rsplit(":", 1)[-1],
         "hit_rate": summary["prefix_cache_hit_rate_frac"],
@@ -76,7 +53,7 @@ def replay(policy: str, records, *, num_blocks: int, rate: float, output_len: in
         "age_p50": summary["evicted_block_age_p50_steps"],
         "ttft_mean_ms": 1e3 * statistics.fmean(ttft),
         "ttft_p90_ms": 1e3 * ttft[int(0.9 * (len(ttft) - 1))],
-        "requests": len(eng.recorder.requests),
+        "requests": len(requests),
         "steps": len(steps),
         "wall_s": wall,
     }

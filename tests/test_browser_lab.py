@@ -225,7 +225,7 @@ def test_chapter11_panel_runs_the_learners_allocator_live_in_a_real_browser(jupy
         _run_cells_through(page, cells, last)
         assert not error_texts(page), error_texts(page)[:2]
         text = page.locator(".jp-Notebook").inner_text()
-        assert "PASSED 40 random schedules" in text and "workbench.allocators.registered:" in text
+        assert "PASSED 40 random schedules" in text and "workbench.plugins:" in text
         dropdown = page.locator(".jupyter-widgets select").first
         assert "registered:" in dropdown.input_value()  # the panel offers the plug-in by name
         before = _live_plot_filled(page)
@@ -243,5 +243,5 @@ def test_chapter11_panel_runs_the_learners_allocator_live_in_a_real_browser(jupy
         text = page.locator(".jp-Notebook").inner_text()
         browser.close()
     assert filled["cells"] >= 24 and filled["points"] > 0, f"live figure: {filled} (see {shot.name})"
-    assert "run: workbench.allocators.registered:" in text  # the summary card of the finished run
+    assert "run: workbench.plugins:" in text  # the summary card of the finished run
     assert not [e for e in console_errors if "plotly" in e.lower() or "widget" in e.lower()], console_errors

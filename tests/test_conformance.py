@@ -1,18 +1,17 @@
 """The conformance check (workbench.conformance): every built-in and plug-in manager passes it; each kind
 of bug it exists for is caught with a counterexample; a class defined at run time plugs in by name
-(workbench.allocators.registered); chapter 11's reference allocator, its buggy variants and exercise 11.1."""
+(workbench.plugins.register_class); chapter 11's reference allocator, its buggy variants and exercise 11.1."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.fixtures.lowest_first import LowestFirstKVManager
-from workbench.allocators.registered import register_allocator
 from workbench.config import EngineConfig
 from workbench.conformance import Schedule, ScheduleRequest, check_kv_manager, run_schedule
 from workbench.kv import make_kv_manager
 from workbench.kv.interface import KVManager
-from workbench.labs.own_allocator import DoubleHandNextFit, LeakyNextFit, NextFitKVManager
+from workbench.labs.own_allocator import DoubleHandNextFit, LeakyNextFit, NextFitKVManager, register_allocator
 
 
 @pytest.mark.parametrize(
@@ -114,7 +113,7 @@ def test_register_allocator_makes_a_run_time_class_loadable_by_name():
         name = "cell"
 
     name = register_allocator(CellAllocator)
-    assert name == "workbench.allocators.registered:CellAllocator"
+    assert name == "workbench.plugins:CellAllocator"
     cfg = EngineConfig(kv_allocator=name, block_size=4).validate()
     kv = make_kv_manager(cfg, 10)
     assert type(kv) is CellAllocator and kv.num_blocks == 10 and kv.block_size == 4
@@ -128,7 +127,7 @@ def test_register_allocator_makes_a_run_time_class_loadable_by_name():
     assert register_allocator(CellAllocator, "Other").endswith(":Other")
     with pytest.raises(TypeError, match="KVManager subclass"):
         register_allocator(dict)
-    for bad in ("register_allocator", "_x", "not an identifier"):
+    for bad in ("register_class", "_x", "not an identifier"):
         with pytest.raises(ValueError, match="public identifier"):
             register_allocator(CellAllocator, bad)
 

@@ -244,6 +244,7 @@ def test_binder_installs_what_the_labs_need():
         "09_tensor_parallelism.ipynb",
         "10_nccl_buffers.ipynb",
         "11_your_own_allocator.ipynb",
+        "12_eviction_policies.ipynb",
         "14_memory_beside_kv.ipynb",
     ]
 

@@ -12,6 +12,9 @@
 - :mod:`workbench.labs.tensor_parallel` — chapter 9: tensor parallelism, real and simulated;
 - :mod:`workbench.labs.nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
   (what both share: :mod:`workbench.labs.multigpu_common`);
+- :mod:`workbench.labs.eviction` — chapter 12: eviction policies for shared prefixes (real and simulated runs
+  per policy, the free queue, :class:`~workbench.labs.eviction.EvictionPanel`; a notebook's own policy class
+  registered by :func:`workbench.plugins.register_class`);
 - :mod:`workbench.labs.rank_memory` — chapter 14: memory beside the KV cache on every rank (measured on
   a TP=3 engine, modelled for 4-8 GPUs, a slider panel);
 - :mod:`workbench.labs.own_allocator` — chapter 11: your own allocator (a skeleton's reference solution, buggy
@@ -21,7 +24,6 @@
 The chapter modules are loaded on first use (``labs.sweep`` works after ``from workbench import labs``).
 """
 
-from workbench.allocators.registered import register_allocator
 from workbench.labs.exercises import EXERCISES, check, solution
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, breakdown_table, lab_run, lab_trace, run_summary
 
@@ -44,6 +46,7 @@ __all__ = [
 _MODULES = (
     "chapters",
     "chunked",
+    "eviction",
     "multigpu_common",
     "nccl_buffers",
     "own_allocator",
@@ -59,6 +62,10 @@ def __getattr__(name):  # the panel imports ipywidgets: only when asked for
         from workbench.labs.panel import RunPanel
 
         return RunPanel
+    if name == "register_allocator":  # chapter 11's: a notebook's KVManager class, loadable by name
+        from workbench.labs.own_allocator import register_allocator
+
+        return register_allocator
     if name in _MODULES:
         import importlib
 

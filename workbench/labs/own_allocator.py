@@ -10,8 +10,8 @@
   best-fit, buddy and yours -- waste breakdown and block maps side by side;
 - :func:`finished`: the learner's class once its TODOs are filled in, else the reference.
 
-A class defined in a notebook cell plugs in by name through
-:func:`workbench.allocators.registered.register_allocator`.
+A class defined in a notebook cell plugs in by name through :func:`register_allocator`
+(:func:`workbench.plugins.register_class`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from workbench.conformance import ConformanceReport, check_kv_manager
-from workbench.allocators.registered import register_allocator
 from workbench.kv.interface import KVManager
 from workbench.labs.runs import lab_run, lab_trace
+from workbench.plugins import register_class
 from workbench.viz.table import Column, Table
 
 __all__ = [
@@ -40,6 +40,13 @@ __all__ = [
     "interface_table",
     "register_allocator",
 ]
+
+def register_allocator(cls: type[KVManager], name: str | None = None) -> str:
+    """Make a :class:`~workbench.kv.interface.KVManager` subclass defined in a notebook cell loadable as
+    ``kv_allocator="workbench.plugins:<name>"`` and return that name (:func:`workbench.plugins.register_class`;
+    ``TypeError`` for a class that is not a KVManager, ``ValueError`` for a bad name)."""
+    return register_class(cls, KVManager, name)
+
 
 #: the context of exercise 11.1 (the conformance check's schedules and seed)
 EXERCISE_CONTEXT = {"schedules": 40, "seed": 11}
