@@ -12,6 +12,7 @@
 - :mod:`workbench.labs.tensor_parallel` — chapter 9: tensor parallelism, real and simulated;
 - :mod:`workbench.labs.nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
   (what both share: :mod:`workbench.labs.multigpu_common`);
+- :mod:`workbench.labs.compaction` — chapter 13: KV defragmentation by block copies, cost against benefit;
 - :mod:`workbench.labs.rank_memory` — chapter 14: memory beside the KV cache on every rank (measured on
   a TP=3 engine, modelled for 4-8 GPUs, a slider panel).
 
@@ -39,6 +40,7 @@ __all__ = [
 _MODULES = (
     "chapters",
     "chunked",
+    "compaction",
     "multigpu_common",
     "nccl_buffers",
     "panel",
