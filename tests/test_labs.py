@@ -232,6 +232,7 @@ def test_binder_installs_what_the_labs_need():
         "08_chunked_prefill.ipynb",
         "09_tensor_parallelism.ipynb",
         "10_nccl_buffers.ipynb",
+        "13_defragmentation.ipynb",
         "14_memory_beside_kv.ipynb",
     ]
 

@@ -565,7 +565,8 @@ def gather_timing(
     """The paged-attention gather (``index_select`` of a decode group's blocks, as
     :func:`workbench.attention.torch_ref.paged_attention` does per layer, K and V) over one layer's cache of the
     bundled model's shape, with each sequence's blocks contiguous vs scattered at random over the pool; median
-    seconds of ``repeats`` (they vary from run to run), and the bytes gathered.
+    seconds of ``repeats`` rounds (the two layouts in turn, after one warm-up round; they vary from run to run), and
+    the bytes gathered.
     """
     import random
 
@@ -585,17 +586,20 @@ def gather_timing(
         "contiguous": torch.arange(batch * seq_blocks).view(batch, seq_blocks),
         "scattered": torch.tensor(ids[: batch * seq_blocks]).view(batch, seq_blocks),
     }
-    rows = []
-    for name, table in tables.items():
-        flat = table.flatten()
-        times = []
-        for _ in range(repeats):
+    times: dict[str, list[float]] = {name: [] for name in tables}
+    for i in range(repeats + 1):  # the two layouts in turn; the first round warms up and is dropped
+        for name, table in tables.items():
+            flat = table.flatten()
             t0 = time.perf_counter()
             k_cache.index_select(0, flat)
             v_cache.index_select(0, flat)
-            times.append(time.perf_counter() - t0)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    rows = []
+    for name, table in tables.items():
+        flat = table.flatten()
         nbytes = 2 * flat.numel() * bs * nkv * d * 4
-        t = statistics.median(times)
+        t = statistics.median(times[name])
         rows.append(
             {"layout": name, "blocks": flat.numel(), "mib": nbytes / MiB, "us": 1e6 * t, "gib_s": nbytes / t / 2**30}
         )
