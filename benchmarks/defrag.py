@@ -35,61 +35,9 @@ TRIGGERS = ("none", "fragmentation", "waiting", "highest-block")
 
 
 def _sim(allocator: str, trigger: str, rate: float, duration: float, num_blocks: int, max_tokens: int, seed: int):
-    from workbench.allocators.defrag import highest_block_gap
-    from workbench.catalog import MODELS
-    from workbench.config import EngineConfig
-    from workbench.metrics import CallbackSink
-    from workbench.sim import SimEngine, SimSpec, find_hardware, make_trace
+    from workbench.labs.compaction import sim_trigger_row  # chapter 13 shows the same rows
 
-    spec = SimSpec(MODELS["llama-2-7b"], find_hardware("A100-80GB"))
-    cfg = EngineConfig(
-        kv_allocator=allocator,
-        num_gpu_blocks_override=num_blocks,
-        block_size=16,
-        max_model_len=2048,
-        max_num_seqs=64,
-        kv_defrag_trigger=trigger,
-    )
-    eng = SimEngine(cfg, spec)
-    eng.record_itl = False
-    gaps, highest = [], []
-
-    def watch(_st):
-        used = {b for t in eng.kv.block_tables.values() for b in t}
-        gaps.append(highest_block_gap(eng.kv))
-        highest.append(max(used) if used else -1)
-
-    eng.recorder.add_sink(CallbackSink(watch))
-    trace = make_trace(rate, duration, "sharegpt", "poisson", seed)
-    eng.add_trace(trace, max_tokens=max_tokens)
-    t0 = time.perf_counter()
-    eng.run()
-    wall = time.perf_counter() - t0
-    steps, reqs = eng.recorder.steps, eng.recorder.requests
-    moved = [s for s in steps if s.defrag_passes]
-    done = [r for r in reqs if r.finish_reason in ("stop", "length")]
-    return {
-        "allocator": allocator,
-        "trigger": trigger,
-        "requests": len(trace),
-        "finished": len(done),
-        "sim_duration_s": round(eng.now, 2),
-        "req_per_s": round(len(done) / eng.now, 3),
-        "mean_queue_s": round(statistics.fmean(r.queue_time_s for r in done), 2),
-        "steps": len(steps),
-        "steps_external_frag": sum(s.external_fragmentation > 0 for s in steps),
-        "passes": len(eng.defrag.passes),
-        "blocks_moved": sum(p.blocks_moved for p in eng.defrag.passes),
-        "gib_moved": round(sum(p.bytes_moved for p in eng.defrag.passes) / 2**30, 2),
-        "copy_s": round(sum(s.copy_time_s for s in moved), 3),
-        "copy_share": round(sum(s.copy_time_s for s in moved) / eng.now, 5),
-        "unblocked": sum(p.unblocked for p in eng.defrag.passes),
-        "gap_mean": round(statistics.fmean(gaps), 1),
-        "gap_max": max(gaps),
-        "highest_used_mean": round(statistics.fmean(highest), 1),
-        "highest_used_max": max(highest),
-        "replay_wall_s": round(wall, 1),
-    }
+    return sim_trigger_row(allocator, trigger, rate, duration, num_blocks, max_tokens, seed)
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:

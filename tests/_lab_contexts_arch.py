@@ -51,3 +51,19 @@ WRONG["12.1"] = [
     {"lru": [2, 3, 1], "fifo": [0, 1, 2], "lfu": [2, 3, 4]},  # LFU ties broken by the scan's head block
     [2, 3, 1],
 ]
+
+# 13.1: a contiguous pool of 24 blocks (workbench.labs.compaction.EXERCISE_13_1): regions slide down until a run
+# of 5 opens — a to 0..3 (4 moves), b to 4..6 (3 moves): 7 blocks; packing everything would move 14
+EX_13_1 = {
+    "regions": [[2, 4, "a"], [8, 3, "b"], [13, 5, "c"], [20, 2, "d"]],
+    "num_blocks": 24,
+    "need_blocks": 5,
+}
+CONTEXTS["13.1"] = EX_13_1
+WRONG["13.1"] = [
+    14,  # packs the whole pool
+    5,  # the request's need
+    10,  # the free blocks
+    4,  # only the first region
+    "seven",
+]

@@ -245,6 +245,7 @@ def test_binder_installs_what_the_labs_need():
         "10_nccl_buffers.ipynb",
         "11_your_own_allocator.ipynb",
         "12_eviction_policies.ipynb",
+        "13_defragmentation.ipynb",
         "14_memory_beside_kv.ipynb",
     ]
 

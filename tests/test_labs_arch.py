@@ -137,3 +137,41 @@ def test_rank_memory_panel_runs_and_names_bad_values():
     with pytest.raises(ValueError, match="nccl_buffsize_mib=0"):
         p.run(nccl_buffsize_mib=0)
     assert "nccl_buffsize_mib" in p.status.value
+
+
+# ---------------------------------------------------------------- chapter 13: defragmentation
+def test_exercise_13_1_context_and_plan():
+    from workbench.labs import compaction as cp
+
+    assert cp.EXERCISE_13_1 == ctx.EX_13_1
+    assert labs.solution("13.1", **ctx.EX_13_1) == 7
+    snap = cp.regions_map(ctx.EX_13_1["regions"], 24, 5)
+    assert cp.regions_of(snap) == [tuple(r) for r in ctx.EX_13_1["regions"]]
+    assert snap["state"].count("external") == 10  # every hole holds 2 blocks, fewer than 5
+
+
+def test_compaction_on_a_tiny_engine_records_passes_and_maps(tiny_model):
+    from workbench.labs import compaction as cp
+
+    records = [
+        r.__class__(list(range(3, 3 + 20 + 7 * (i % 3))), False, r.id, n, n)
+        for i, (r, n) in enumerate(zip(labs.lab_trace(8), (2, 9, 3, 12, 4, 2, 8, 5)))
+    ]
+    args = dict(model=str(tiny_model), max_model_len=128, num_gpu_blocks_override=12, records=records)
+    none = cp.defrag_run("orca-max", "none", **args)
+    wait = cp.defrag_run("orca-max", "waiting", **args)
+    rows = cp.trigger_rows([none, wait])
+    assert rows[0]["passes"] == 0 and rows[1]["passes"] == len(wait.passes)
+    assert all(r["finished"] == 8 for r in rows)
+    assert wait.result.recorder.steps[0].step == 0  # set_trigger restarts the step count
+    for rec in wait.passes:
+        assert rec["pass"].blocks_moved == len(rec["moves"]) and rec["before"] and rec["after"]
+    if any(r["pass"].unblocked for r in wait.passes):
+        st = cp.story(wait)
+        assert st["admitted"] and cp.moves_table(st).rows
+    paged = cp.defrag_run("paged", "highest-block", 0, **args)
+    tail = cp.tail_rows([paged])[0]
+    assert tail["steps_external"] == 0 and tail["min_tail"] >= 0
+    assert len(cp.highest_block_figure([paged]).data) == 2
+    with pytest.raises(ValueError, match="kv_defrag_threshold"):
+        cp.set_trigger(cp.lab_engine("paged", 12, model=str(tiny_model), max_model_len=128), "fragmentation", 3)

@@ -15,6 +15,7 @@
 - :mod:`workbench.labs.eviction` — chapter 12: eviction policies for shared prefixes (real and simulated runs
   per policy, the free queue, :class:`~workbench.labs.eviction.EvictionPanel`; a notebook's own policy class
   registered by :func:`workbench.plugins.register_class`);
+- :mod:`workbench.labs.compaction` — chapter 13: KV defragmentation by block copies, cost against benefit;
 - :mod:`workbench.labs.rank_memory` — chapter 14: memory beside the KV cache on every rank (measured on
   a TP=3 engine, modelled for 4-8 GPUs, a slider panel);
 - :mod:`workbench.labs.own_allocator` — chapter 11: your own allocator (a skeleton's reference solution, buggy
@@ -47,6 +48,7 @@ _MODULES = (
     "chapters",
     "chunked",
     "eviction",
+    "compaction",
     "multigpu_common",
     "nccl_buffers",
     "own_allocator",
