@@ -279,9 +279,14 @@ def moves_table(rec: dict[str, Any]) -> Table:
     )
 
 
-def map_pair_figure(maps: Sequence[tuple[str, dict]], max_cols: int = 32) -> go.Figure:
+def map_pair_figure(
+    maps: Sequence[tuple[str, dict]],
+    max_cols: int = 32,
+    title: str = "KV block map around a compaction pass (orca-max, first-fit)",
+) -> go.Figure:
     """Block maps one above the other (one heatmap each, the block-map colours of
-    :func:`workbench.viz.figures.block_map_figure`), each titled with its label and counts."""
+    :func:`workbench.viz.figures.block_map_figure`), each titled with its label and counts; a map of one row has
+    no row axis."""
     from plotly.subplots import make_subplots
 
     from workbench.viz.figures import _block_heatmap, _block_legend_traces, block_map_cells
@@ -298,12 +303,15 @@ def map_pair_figure(maps: Sequence[tuple[str, dict]], max_cols: int = 32) -> go.
     for i, c in enumerate(cells, start=1):
         fig.add_trace(_block_heatmap(c, f"map {i}"), row=i, col=1)
         fig.update_xaxes(title_text="block id (column)", row=i, col=1, dtick=4)
-        fig.update_yaxes(title_text="first block of the row", row=i, col=1, autorange="reversed", tickformat=",d")
+        if len(c["z"]) > 1:
+            fig.update_yaxes(title_text="first block of the row", row=i, col=1, autorange="reversed", tickformat=",d")
+        else:  # one row of blocks: a row axis would only show meaningless ticks
+            fig.update_yaxes(showticklabels=False, row=i, col=1)
     for t in _block_legend_traces():
         fig.add_trace(t)
     fig.update_annotations(font_size=12)
     fig.update_layout(
-        title={"text": "KV block map around a compaction pass (orca-max, first-fit)", "y": 0.98},
+        title={"text": title, "y": 0.98},
         height=170 + 150 * len(maps),
         legend=LEGEND_ABOVE | {"y": 1.18},
         margin={"t": 130, "l": 70, "r": 20},
