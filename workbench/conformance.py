@@ -79,7 +79,7 @@ class Schedule:
         return (
             f"pool {self.num_blocks} blocks x {self.block_size} slots, max_num_seqs {self.max_num_seqs}, "
             f"budget {self.max_num_batched_tokens} tokens, chunked {self.chunked}, eos_every {self.eos_every}, "
-            f"seed {self.seed}; requests [{reqs}]"
+            f"seed {self.seed};\n    requests [{reqs}]"
         )
 
 
@@ -388,8 +388,8 @@ class ConformanceReport:
             f"{c['free']:,} free, {c['preempted']:,} preemptions, {c['aborted']:,} aborts"
         )
         if self.passed:
-            return f"{self.allocator}: PASSED {self.schedules} random schedules ({what}); nothing leaked"
-        return f"{self.allocator}: FAILED on schedule {self.schedules} ({what} so far)\n{self.failure}"
+            return f"{self.allocator}: PASSED {self.schedules} random schedules, nothing leaked\n    ({what})"
+        return f"{self.allocator}: FAILED on schedule {self.schedules}; the failing schedule, shrunk:\n{self.failure}"
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(str(self))

@@ -145,8 +145,8 @@ def finished(cls: type[KVManager]) -> type[KVManager]:
     stubs = [n for n, v in vars(cls).items() if _is_stub(v)]
     if stubs:
         print(
-            f"{cls.__name__} still has TODOs ({', '.join(stubs)}): the rest of the chapter uses the reference, "
-            f"{NextFitKVManager.__module__}.NextFitKVManager"
+            f"{cls.__name__} still has TODOs ({', '.join(stubs)}): the rest of the chapter uses the reference,\n"
+            f"    {NextFitKVManager.__module__}.NextFitKVManager"
         )
         return NextFitKVManager
     print(f"the rest of the chapter uses your {cls.__name__}")
@@ -337,20 +337,24 @@ def block_maps_figure(results: dict, step: int | None = None, max_cols: int = 48
     )  # fmt: skip
     for i, (n, _, c) in enumerate(cells, start=1):
         fig.add_trace(_block_heatmap(c, n), row=i, col=1)
-        fig.update_yaxes(
-            autorange="reversed", showgrid=False, zeroline=False, title_text="first block", tickvals=c["y"],
-            row=i, col=1,
-        )  # fmt: skip
+        if len(c["y"]) > 1:
+            fig.update_yaxes(
+                autorange="reversed", showgrid=False, zeroline=False, title_text="first block", tickvals=c["y"],
+                row=i, col=1,
+            )  # fmt: skip
+        else:  # one row of blocks: no row axis
+            fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, row=i, col=1)
         fig.update_xaxes(showgrid=False, zeroline=False, showticklabels=i == len(cells), row=i, col=1)
     for t in _block_legend_traces():
         fig.add_trace(t, row=1, col=1)
-    fig.update_xaxes(title_text="block id − row start", row=len(cells), col=1)
+    one_row = all(r == 1 for r in rows_each)
+    fig.update_xaxes(title_text="block id" if one_row else "block id − row start", row=len(cells), col=1)
     fig.update_layout(
         title={"text": f"Block maps at engine step {step}: the same requests, five allocators", "font": {"size": 15}},
         height=140 + sum(60 + 28 * r for r in rows_each),
         plot_bgcolor="white",
-        legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0, "title": {"text": ""}},
-        margin={"t": 120, "l": 70, "r": 20, "b": 50},
+        legend={"orientation": "h", "y": 1.08, "yanchor": "bottom", "x": 0, "title": {"text": ""}},  # above the first title
+        margin={"t": 150, "l": 70, "r": 20, "b": 50},
     )
     return fig
 
