@@ -31,7 +31,7 @@ import plotly.graph_objects as go
 
 from workbench.labs.multigpu_common import MiB, _Panel, sim_run_row
 from workbench.labs.nccl_buffers import long_trace, sim_budget
-from workbench.viz.common import BUDGET_COLOURS, LEGEND_ABOVE, LEGEND_ABOVE_MARGIN
+from workbench.viz.common import BUDGET_COLOURS
 from workbench.viz.table import Column, Table
 
 __all__ = [
@@ -99,7 +99,7 @@ def rank_budget_rows(llm) -> list[dict[str, Any]]:
             "how": f"one forward of {eng.max_num_batched_tokens:,} tokens, largest over the {tp} ranks",
         },
         {"part": "communication buffers", "bytes": m.comm_buffer_bytes, "how": "NCCL's, modelled (gloo keeps none)"},
-        {"part": "custom all-reduce", "bytes": car.per_rank_bytes, "how": f"vLLM would not build one: {car.reason}"},
+        {"part": "custom all-reduce", "bytes": car.per_rank_bytes, "how": f"none: {car.reason}"},
         {"part": "KV pool (whole blocks)", "bytes": m.kv_pool_bytes, "how": f"{m.num_blocks:,} blocks"},
         {
             "part": "left: part of a block",
@@ -659,9 +659,9 @@ class RankMemoryPanel(_Panel):
             title=f"{model}: one rank's memory per run (modelled)",
             xaxis={"title": "memory per GPU (GiB)", "rangemode": "tozero"},
             yaxis={"autorange": "reversed"},
-            height=420,
-            legend=LEGEND_ABOVE,
-            margin={"t": LEGEND_ABOVE_MARGIN + 40, "l": 60},
+            height=480,
+            legend={"traceorder": "normal", "orientation": "h", "y": -0.3, "yanchor": "top"},  # as gpu_rank_figure
+            margin={"t": 60, "b": 160, "l": 130},
         )
         self._build(controls, self.figure)
 
