@@ -15,7 +15,7 @@ import click
 from workbench.bench.serve_cli import bench_serve_command
 from workbench.cli_options import engine_args as _engine_args
 from workbench.cli_options import engine_options, parse_bytes
-from workbench.config import BATCHING_POLICIES, KV_ALLOCATORS
+from workbench.config import BATCHING_POLICIES, CONTIGUOUS_ALLOCATORS, KV_ALLOCATORS
 from workbench.kvcalc_cli import kv_calc_command
 from workbench.sim.cli import simulate_command
 
@@ -176,9 +176,9 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
 @click.option(
     "--kv-allocator",
     "allocators",
-    default=",".join(KV_ALLOCATORS),
+    default=",".join(("paged", *CONTIGUOUS_ALLOCATORS)),
     show_default=True,
-    help=f"comma-separated: {', '.join(KV_ALLOCATORS)}",
+    help=f"comma-separated: {', '.join(KV_ALLOCATORS)} or package.module:Class [default: the vLLM paper's Fig. 2 five]",
 )
 @click.option(
     "--batching-policy",
