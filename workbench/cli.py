@@ -178,7 +178,7 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     "allocators",
     default=",".join(("paged", *CONTIGUOUS_ALLOCATORS)),
     show_default=True,
-    help=f"comma-separated: {', '.join(KV_ALLOCATORS)} or package.module:Class [default: the vLLM paper's Fig. 2 five]",
+    help=f"comma-separated: {', '.join(KV_ALLOCATORS)} or package.module:Class (default: the vLLM paper's Fig. 2 five)",
 )
 @click.option(
     "--batching-policy",
