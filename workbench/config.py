@@ -257,8 +257,8 @@ class EngineConfig:
             ]
             if clash:
                 raise ValueError(
-                    f"{' and '.join(clash)} needs kv_allocator='paged' (the paged manager shares and moves blocks; "
-                    f"kv_allocator={self.kv_allocator!r} does neither)"
+                    f"{' and '.join(clash)} needs kv_allocator='paged' (only the paged manager shares blocks and "
+                    f"keeps a CPU swap pool; kv_allocator={self.kv_allocator!r} does neither)"
                 )
 
     def _validate_choices(self) -> None:

@@ -24,7 +24,8 @@ def load_plugin(option: str, name: str, base: type) -> type:
     except (ImportError, AttributeError) as e:
         raise ValueError(
             f"{option}={name!r}: cannot load {cls_name!r} from module {module!r} ({e}); give "
-            f"'package.module:ClassName' of an importable {base.__name__} subclass, or a built-in name"
+            f"'package.module:ClassName' of an importable {base.__name__} subclass (its folder on PYTHONPATH), "
+            "or a built-in name"
         ) from None
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise ValueError(

@@ -191,7 +191,8 @@ class Defragmenter:
         if trigger != "none" and not supports_moves(kv):
             raise ValueError(
                 f"kv_defrag_trigger={trigger!r} needs a KV manager that moves blocks, but kv_allocator={kv.name!r} "
-                "does not implement move_blocks; use kv_defrag_trigger='none' or a built-in allocator"
+                "does not implement move_blocks; use kv_defrag_trigger='none', or an allocator that moves blocks (paged, the "
+                "contiguous ones, best-fit; not buddy, whose blocks must stay aligned)"
             )
         if max_moves < 1:
             raise ValueError(f"kv_defrag_max_moves={max_moves} must be >= 1")
