@@ -17,6 +17,7 @@ from workbench.cli_options import dataclass_options, engine_args, engine_options
 from workbench.config import (
     ATTENTION_BACKENDS,
     BATCHING_POLICIES,
+    CONTIGUOUS_ALLOCATORS,
     KV_ALLOCATORS,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
@@ -56,7 +57,7 @@ def test_every_engine_field_is_an_option_of_run_with_its_default_and_choices():
 def test_compare_and_simulate_take_the_generated_options_less_their_exclusions():
     compare = _params("compare")
     assert "kv_allocator" not in compare and "batching_policy" not in compare  # compare takes lists of them
-    assert compare["allocators"].default == ",".join(KV_ALLOCATORS)
+    assert compare["allocators"].default == ",".join(("paged", *CONTIGUOUS_ALLOCATORS))  # the paper's Fig. 2 five
     assert compare["policies"].default == BATCHING_POLICIES[0]
     assert {f.name for f in ON_CLI} - {"kv_allocator", "batching_policy"} <= set(compare)
     sim = _params("simulate")
