@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -177,9 +178,9 @@ def test_buddy_sizing_rounds_up_caps_at_the_largest_segment_and_refuses_what_nev
     assert kv.declare("c", 40, 50, max_model_len=200) == 25 and kv.reservation_blocks("c") == 16
     assert kv.declare("d", 64, 50, max_model_len=200) == 1  # the prompt fills the segment
     assert kv.declare("e", 40, 50, max_model_len=48) is None  # max_model_len bounds it below the segment
-    with pytest.raises(ValueError, match=r"65 tokens .* at most 64 tokens .*num_gpu_blocks_override=32"):
-        kv.declare("f", 65, 5, max_model_len=200)
-    assert kv.reservation_blocks("f") == 0  # nothing recorded
+    assert kv.declare("f", 65, 5, max_model_len=200) is None  # never fits: the engine asks refuse() and ends it
+    assert re.search(r"65 tokens .* at most 64 tokens .*num_gpu_blocks_override=32", kv.refuse(65))
+    assert kv.refuse(64) is None and kv.refuse(1) is None
     assert kv.declare("g", 200, 5, max_model_len=200) is None  # the engine refuses a prompt >= max_model_len
     assert kv.reservation_blocks("nobody") == 0
     kv.forget("a")
@@ -360,15 +361,21 @@ def test_engine_buddy_split_settles_the_round_up_as_internal_fragmentation(runs)
         assert (s.token_states + s.reservation, s.internal_fragmentation) == (19, 32 - 19)
 
 
-def test_engine_buddy_caps_output_at_the_largest_segment_and_refuses_a_longer_prompt(tiny_model):
+def test_engine_buddy_caps_output_at_the_largest_segment_and_ends_a_longer_prompt_alone(tiny_model):
     """24 blocks of 4 = 16 + 8: a reservation holds at most 64 tokens though max_model_len is 96."""
     llm = LLM(model=str(tiny_model), kv_allocator="buddy", num_gpu_blocks_override=24, **(ARGS | {"max_model_len": 96}))
     (o,) = llm.generate([list(range(2, 42))], SamplingParams(max_tokens=50, ignore_eos=True))
     assert len(o.outputs[0].token_ids) == 64 - 40 + 1 and o.outputs[0].finish_reason == "length"
+    # a prompt longer than the largest segment ends alone, with an error naming the limit and the fix; the
+    # requests beside it run to their end
+    outs = llm.generate([list(range(2, 72)), list(range(2, 12))], SamplingParams(max_tokens=4, ignore_eos=True))
+    long, short = outs
+    assert long.outputs[0].finish_reason == "error" and not long.outputs[0].token_ids
+    assert "kv_allocator='buddy' reserves at most 64 tokens" in long.error
+    assert "num_gpu_blocks_override=32" in long.error
+    assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 4
     eng = llm.llm_engine
-    with pytest.raises(ValueError, match="kv_allocator='buddy' reserves at most 64 tokens"):
-        eng.add_request("long", list(range(2, 72)), SamplingParams(max_tokens=4))
-    assert not eng.has_unfinished_requests() and "long" not in eng.requests
+    assert not eng.has_unfinished_requests() and not eng.kv._reserve  # nothing declared is left behind
     _check_steps(eng.recorder.steps, 24 * 4)
 
 

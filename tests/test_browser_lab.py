@@ -235,7 +235,11 @@ def test_chapter11_panel_runs_the_learners_allocator_live_in_a_real_browser(jupy
             filled = _live_plot_filled(page)
             status = page.locator(".jp-Notebook").inner_text()
             # the finished run's summary card; "run: " alone also occurs in the cells' code and prose
-            if filled["cells"] > before["cells"] and filled["points"] > before["points"] and "run: workbench.plugins:" in status:
+            if (
+                filled["cells"] > before["cells"]
+                and filled["points"] > before["points"]
+                and "run: workbench.plugins:" in status
+            ):
                 break
             assert not error_texts(page), error_texts(page)[:2]
             time.sleep(2)

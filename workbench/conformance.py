@@ -289,6 +289,10 @@ def run_schedule(
             except ValueError:
                 counts["refused requests"] += 1
                 continue
+            if kv.refuse(spec.prompt_len):  # a prompt it can never place: the engine ends the request at once
+                kv.forget(rid)
+                counts["refused requests"] += 1
+                continue
             max_tokens = spec.max_tokens if cap is None else min(spec.max_tokens, cap)
             r = Request(
                 rid,

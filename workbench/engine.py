@@ -140,8 +140,8 @@ class LLMEngine:
         With ``sampling_params.n > 1`` the request runs as n sequences that share the prompt's
         blocks; its output (one ``RequestOutput`` with n ``outputs``) comes when all n finish.
 
-        A prompt that can never run (longer than ``max_model_len`` allows, or than the KV pool
-        holds) does not raise: the request ends at the next step with ``finish_reason="error"``
+        A prompt that can never run (longer than ``max_model_len`` allows, than the KV pool
+        holds, or than the KV manager can place: ``refuse``) does not raise: the request ends at the next step with ``finish_reason="error"``
         and an error naming both numbers, and the other requests go on.
 
         Raises:
@@ -174,7 +174,7 @@ class LLMEngine:
             sp = replace(sp, max_tokens=cap, min_tokens=min(sp.min_tokens, cap))
         arrival = self.clock() if arrival_time is None else arrival_time
         group = self._make_group(request_id, ids, text, sp, arrival, priority, true_output_len)
-        error = prompt_refusal(len(ids), self.max_model_len, self.kv.pool_tokens)
+        error = prompt_refusal(len(ids), self.max_model_len, self.kv.pool_tokens) or self.kv.refuse(len(ids))
         if error:
             for child in group:
                 child.error = error

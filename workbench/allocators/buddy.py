@@ -15,7 +15,7 @@ rounded up to a power-of-two number of blocks, ``2**k`` ("order ``k``"), in one 
   set bit of ``N`` from the highest down (``N = 20``: ``[0, 16)`` and ``[16, 20)``). A block of order ``k`` is valid
   when it starts at a multiple of ``2**k`` and ends at most at ``N``; two buddies merge only into a valid parent. The
   longest reservation that can be placed is the largest segment, ``2**floor(log2 N)`` blocks: :meth:`declare` caps a
-  longer request's output there and refuses a prompt that does not fit it.
+  longer request's output there, and :meth:`refuse` ends a request whose prompt does not fit it with an error.
 
 What the pool's accounting (:mod:`workbench.metrics.accounting`) sees, with no accounting code here: the round-up to a
 power of two lies beyond the most slots the request can ever write (prompt + output cap - 1), so it is *internal
@@ -98,13 +98,13 @@ class BuddyKVCacheManager(KVManager):
         """Size the request's reservation: ``orca-max``'s (prompt + ``max_tokens``, capped by ``max_model_len``),
         at most the largest segment (tokens; rounded to a power of two of blocks by :meth:`reservation_blocks`).
 
+        A prompt longer than the largest segment is not sized here: :meth:`refuse` ends that request with an error
+        (nothing else stops). A prompt the engine refuses anyway (``>= max_model_len``, or longer than the pool) is
+        left to its refusal.
+
         Returns:
             ``None``, or the output cap that keeps the request's slots (prompt + output - 1; the last sampled token
             is never written) within the largest segment when the pool's size is not a power of two.
-
-        Raises:
-            ValueError: the prompt alone is longer than the largest segment (nothing is queued). A prompt the engine
-                refuses anyway (``>= max_model_len``, or longer than the pool) is left to its refusal.
         """
         limit = self.max_reservation_blocks * self.block_size
         reserve = reservation_tokens("orca-max", num_prompt_tokens, max_tokens, max_model_len)
@@ -112,15 +112,20 @@ class BuddyKVCacheManager(KVManager):
         if reserve - 1 <= limit or num_prompt_tokens >= max_model_len or num_prompt_tokens >= self.pool_tokens:
             return None
         if num_prompt_tokens > limit:
-            self._reserve.pop(request_id)
-            raise ValueError(
-                f"prompt of request {request_id!r} has {num_prompt_tokens} tokens but kv_allocator='buddy' reserves "
-                f"at most {limit} tokens in one run (the largest power-of-two segment, {self.max_reservation_blocks} "
-                f"of the pool's {self._num_blocks} blocks); give a pool of a power of two blocks (e.g. "
-                f"num_gpu_blocks_override={next_pow2(self._num_blocks)}), shorten the prompt, or use "
-                "kv_allocator='orca-max'"
-            )
+            return None  # refused (refuse); the engine ends it at its next step
         return limit - num_prompt_tokens + 1
+
+    def refuse(self, num_prompt_tokens: int) -> str | None:
+        """The error of a request whose prompt is longer than the largest segment (it can never be placed), or ``None``."""
+        limit = self.max_reservation_blocks * self.block_size
+        if num_prompt_tokens <= limit:
+            return None
+        return (
+            f"prompt has {num_prompt_tokens} tokens but kv_allocator='buddy' reserves at most {limit} tokens in one run "
+            f"(the largest power-of-two segment, {self.max_reservation_blocks} of the pool's {self._num_blocks} blocks); "
+            f"give a pool of a power of two blocks (e.g. num_gpu_blocks_override={next_pow2(self._num_blocks)}), shorten "
+            "the prompt, or use kv_allocator='orca-max'"
+        )
 
     def forget(self, request_id: str) -> None:
         """Drop the request's declared reservation (it has ended)."""

@@ -135,6 +135,11 @@ class KVManager(ABC):
         """The request has ended: drop what :meth:`declare` recorded."""
         return None
 
+    def refuse(self, num_prompt_tokens: int) -> str | None:
+        """Why a prompt this long can never run on this manager (the request's error), or ``None``; asked after the
+        engine's own checks (:func:`workbench.inputs.prompt_refusal`), so a refused request ends alone."""
+        return None
+
     def reservation_blocks(self, request_id: str) -> int:
         """Consecutive blocks the request needs at admission (0: any free blocks serve it).
 
