@@ -262,6 +262,9 @@ def test_engine_arguments_are_validated():
         EngineConfig(kv_defrag_max_moves=0).validate()
     with pytest.raises(ValueError, match="kv_defrag_threshold=-1"):
         EngineConfig(kv_defrag_threshold=-1).validate()
+    for trigger in ("none", "waiting"):  # a threshold these triggers would ignore is refused, not dropped
+        with pytest.raises(ValueError, match=f"kv_defrag_threshold=0.3 has no effect with kv_defrag_trigger='{trigger}'"):
+            EngineConfig(kv_defrag_trigger=trigger, kv_defrag_threshold=0.3).validate()
     EngineConfig(kv_defrag_trigger="highest-block", kv_defrag_threshold=64, kv_defrag_max_moves=8).validate()
 
 
@@ -440,3 +443,21 @@ def test_a_pass_never_runs_in_a_step_that_swaps_in():
     out = SchedulerOutput()
     d.after_schedule(out, S)
     assert out.defrag.passes == 1 and out.block_copies == [(1, 0)] and kv.block_tables["b"] == [0]
+
+
+def test_the_run_tables_name_the_kv_manager_and_show_the_compaction_figures():
+    """What `workbench run` and `workbench simulate` print about the KV manager (cli_options)."""
+    from workbench.cli_options import kv_figure_rows, kv_manager_line
+
+    cfg = EngineConfig(kv_allocator="orca-max", kv_defrag_trigger="fragmentation").to_dict()
+    assert kv_manager_line(cfg) == "orca-max, block_size 16; compaction: fragmentation > 0.5"
+    cfg = EngineConfig(enable_prefix_caching=True, prefix_cache_eviction="lfu", block_size=8).to_dict()
+    assert kv_manager_line(cfg) == "paged, block_size 8; prefix caching (eviction lfu)"
+    cfg = EngineConfig(kv_defrag_trigger="highest-block", kv_defrag_threshold=4).to_dict()
+    assert kv_manager_line(cfg).endswith("compaction: highest-block > 4")
+    summary = {"defrag_passes": 3, "defrag_blocks_moved": 12, "defrag_bytes_moved": 3 * 2**20,
+               "defrag_copy_time_s": 0.0042, "defrag_unblocked_reqs": 2}  # fmt: skip
+    assert kv_figure_rows(summary) == [
+        ("KV compaction: passes, blocks moved, copy time; requests unblocked", "3, 12 (3.0 MiB), 4.2 ms; 2")
+    ]
+    assert kv_figure_rows({"prefix_cache_queries_total": 0}) == []

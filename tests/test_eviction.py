@@ -320,7 +320,7 @@ def test_workbench_run_takes_the_trace_and_the_plug_in(tiny_model, tmp_path):
             "--enable-prefix-caching", "--prefix-cache-eviction", PLUGIN, "--output-dir", str(tmp_path)]  # fmt: skip
     res = CliRunner().invoke(main, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    assert "prefix-cache evictions" in res.output
+    assert "prefix-cache evictions" in res.output and "KV manager" in res.output
     (run_dir,) = list(tmp_path.iterdir())
     config = json.loads((run_dir / "config.json").read_text())
     assert config["prefix_cache_eviction"] == PLUGIN and config["dataset"].startswith("prefix-repetition {")

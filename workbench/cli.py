@@ -14,7 +14,7 @@ import click
 
 from workbench.bench.serve_cli import bench_serve_command
 from workbench.cli_options import engine_args as _engine_args
-from workbench.cli_options import engine_options, parse_bytes
+from workbench.cli_options import engine_options, kv_figure_rows, kv_manager_line, parse_bytes
 from workbench.config import BATCHING_POLICIES, CONTIGUOUS_ALLOCATORS, KV_ALLOCATORS
 from workbench.kvcalc_cli import kv_calc_command
 from workbench.sim.cli import simulate_command
@@ -103,8 +103,6 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     pre_sw = sum(x.num_preempted_swap for x in steps)
     swapped = (sum(x.swap_out_blocks for x in steps), sum(x.swap_in_blocks for x in steps))
     swapped = swapped if any(swapped) else None
-    queries = sum(x.prefix_cache_queries for x in steps)
-    hits = sum(x.prefix_cache_hits for x in steps)
     t = Table(title="workbench run", show_header=True)
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -113,6 +111,7 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
         return "n/a" if v is None else f"{v * 1000:,.1f} ms"
 
     rows = [
+        ("KV manager", kv_manager_line(res.engine_config)),
         ("requests (finished / errors)", f"{s['requests_total']} ({s['requests_finished']} / {s['requests_errored']})"),
         ("prompt tokens", f"{s['prompt_tokens_total']:,}"),
         ("output tokens", f"{s['output_tokens_total']:,}"),
@@ -148,16 +147,7 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
                 f"{comm_s:.2f} s / {model_s:.2f} s, {mib:,.1f} MiB all-reduced",
             )
         )
-    if queries:
-        rows.append(("prefix-cache hit rate (prompt tokens)", f"{hits / queries:.1%} ({hits:,} of {queries:,})"))
-    if s.get("prefix_cache_evictions_total"):
-        age = s["evicted_block_age_mean_steps"], s["evicted_block_age_p50_steps"]
-        rows.append(
-            (
-                "prefix-cache evictions; evicted block age mean / median",
-                f"{s['prefix_cache_evictions_total']:,} blocks, {age[0]:,.1f} / {age[1]:,.1f} steps",
-            )
-        )
+    rows += kv_figure_rows(s)
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)

@@ -61,7 +61,11 @@ class _ChoiceOrPlugin(click.Choice):
     def convert(self, value, param, ctx):
         if is_plugin_name(value):
             return value
-        return super().convert(value, param, ctx)
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter:
+            names = ", ".join(map(repr, self.choices))
+            self.fail(f"{value!r} is not one of {names}, nor a plug-in 'package.module:ClassName'", param, ctx)
 
     def get_metavar(self, param, *args, **kwargs) -> str:
         return "[" + "|".join(self.choices) + "|MODULE:CLASS]"
@@ -121,3 +125,47 @@ def engine_args(kw: dict, cls=EngineConfig) -> dict:
         if name in args:
             args[name] = parse_bytes(args[name])
     return args
+
+
+# ---------------------------------------------------------------- what `run` and `simulate` print
+def kv_manager_line(cfg: dict) -> str:
+    """The run's KV manager in one line, from its engine arguments (:meth:`EngineConfig.to_dict`): allocator and
+    block size, prefix caching and its eviction policy, the compaction trigger and its threshold (the default one
+    when none was given)."""
+    from workbench.allocators.defrag import DEFAULT_THRESHOLDS
+
+    parts = [f"{cfg.get('kv_allocator')}, block_size {cfg.get('block_size')}"]
+    if cfg.get("enable_prefix_caching"):
+        parts.append(f"prefix caching (eviction {cfg.get('prefix_cache_eviction')})")
+    trigger = cfg.get("kv_defrag_trigger", "none")
+    if trigger != "none":
+        th = cfg.get("kv_defrag_threshold")
+        th = DEFAULT_THRESHOLDS.get(trigger) if th is None else th
+        parts.append(f"compaction: {trigger}" + ("" if th is None else f" > {th:g}"))
+    return "; ".join(parts)
+
+
+def kv_figure_rows(s: dict) -> list[tuple[str, str]]:
+    """``(label, value)`` rows of a run summary's prefix-cache and compaction figures, those it has
+    (:func:`workbench.metrics.stats.prefix_cache_summary`, :func:`workbench.viz.report.summary_table`)."""
+    rows = []
+    queries, hits = s.get("prefix_cache_queries_total"), s.get("prefix_cache_hits_total")
+    if queries:
+        rows.append(("prefix-cache hit rate (prompt tokens)", f"{hits / queries:.1%} ({hits:,} of {queries:,})"))
+    if s.get("prefix_cache_evictions_total"):
+        age = s["evicted_block_age_mean_steps"], s["evicted_block_age_p50_steps"]
+        rows.append(
+            (
+                "prefix-cache evictions; evicted block age mean / median",
+                f"{s['prefix_cache_evictions_total']:,} blocks, {age[0]:,.1f} / {age[1]:,.1f} steps",
+            )
+        )
+    if s.get("defrag_passes"):
+        rows.append(
+            (
+                "KV compaction: passes, blocks moved, copy time; requests unblocked",
+                f"{s['defrag_passes']:,}, {s['defrag_blocks_moved']:,} ({s['defrag_bytes_moved'] / 2**20:,.1f} MiB), "
+                f"{s['defrag_copy_time_s'] * 1e3:,.1f} ms; {s['defrag_unblocked_reqs']:,}",
+            )
+        )
+    return rows

@@ -244,8 +244,14 @@ class EngineConfig:
                 f"kv_cache_memory_bytes={kvb} and num_gpu_blocks_override={ngb} both set the KV pool's size; "
                 "give only one of them"
             )
-        if self.kv_defrag_trigger == "fragmentation" and (self.kv_defrag_threshold or 0) > 1:
-            raise ValueError(f"kv_defrag_threshold={self.kv_defrag_threshold} must be a rate in [0, 1] here; e.g. 0.5")
+        th, trigger = self.kv_defrag_threshold, self.kv_defrag_trigger
+        if trigger == "fragmentation" and (th or 0) > 1:
+            raise ValueError(f"kv_defrag_threshold={th} must be a rate in [0, 1] here; e.g. 0.5")
+        if th is not None and trigger in ("none", "waiting"):
+            raise ValueError(
+                f"kv_defrag_threshold={th} has no effect with kv_defrag_trigger={trigger!r}; give "
+                "kv_defrag_trigger='fragmentation' (a rate) or 'highest-block' (blocks), or drop the threshold"
+            )
         if self.kv_allocator != "paged":
             clash = [
                 name

@@ -46,6 +46,8 @@ class JobResult:
     wall_time_s: float
     memory: dict
     warnings: list[str] = field(default_factory=list)
+    #: the engine's arguments as run (:meth:`workbench.config.EngineConfig.to_dict`)
+    engine_config: dict = field(default_factory=dict)
 
 
 def to_engine_prompt(rec: PromptRecord):
@@ -236,4 +238,5 @@ def run_job(
             block_maps=recorder.block_maps,
             memory=memory,
         )
-    return JobResult(outputs, records, recorder, summary, run_dir, wall, memory, [short] if short else [])
+    warns = [short] if short else []
+    return JobResult(outputs, records, recorder, summary, run_dir, wall, memory, warns, eng.config.to_dict())

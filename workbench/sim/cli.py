@@ -6,7 +6,7 @@ import json
 
 import click
 
-from workbench.cli_options import engine_args, engine_options
+from workbench.cli_options import engine_args, engine_options, kv_figure_rows, kv_manager_line
 from workbench.units import parse_size
 
 
@@ -187,6 +187,7 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
     t.add_column("value", justify="right")
     rows = [
         ("memory", eng.memory.summary_line()),
+        ("KV manager", kv_manager_line(eng.config.to_dict())),
         ("cost model", spec.efficiency.source),
         (
             "requests (finished / errors)",
@@ -201,6 +202,7 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
         ("mean requests batched per step", f"{s['batched_reqs_mean']:.1f}"),
         ("KV blocks used (peak / pool)", f"{s['blocks_used_peak']:,} / {eng.memory.num_blocks:,}"),
         ("preemptions", f"{s['preemptions_total']:,}"),
+        *kv_figure_rows(s),
     ]
     for k, v in rows:
         t.add_row(k, v)

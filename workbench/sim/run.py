@@ -20,6 +20,7 @@ import numpy as np
 
 from workbench.config import EngineConfig
 from workbench.metrics import JsonlSink, Recorder
+from workbench.metrics.stats import prefix_cache_summary
 from workbench.metrics.waste import flatten_breakdown, waste_breakdown
 from workbench.sim.engine import SimEngine, SimSpec
 from workbench.sim.trace import TraceRequest
@@ -176,6 +177,8 @@ def simulate_job(
             if k.endswith(("_pool_frac", "_used_frac"))
         }
     )
+    if eng.config.enable_prefix_caching:
+        summary.update(prefix_cache_summary(steps))
     tl = timeline(reqs, window_s, duration)
     if run_dir is not None:
         config = eng.config.to_dict() | {
