@@ -263,7 +263,9 @@ def test_engine_arguments_are_validated():
     with pytest.raises(ValueError, match="kv_defrag_threshold=-1"):
         EngineConfig(kv_defrag_threshold=-1).validate()
     for trigger in ("none", "waiting"):  # a threshold these triggers would ignore is refused, not dropped
-        with pytest.raises(ValueError, match=f"kv_defrag_threshold=0.3 has no effect with kv_defrag_trigger='{trigger}'"):
+        with pytest.raises(
+            ValueError, match=f"kv_defrag_threshold=0.3 has no effect with kv_defrag_trigger='{trigger}'"
+        ):
             EngineConfig(kv_defrag_trigger=trigger, kv_defrag_threshold=0.3).validate()
     EngineConfig(kv_defrag_trigger="highest-block", kv_defrag_threshold=64, kv_defrag_max_moves=8).validate()
 
