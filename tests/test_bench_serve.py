@@ -432,6 +432,17 @@ def test_prefix_repetition_prompts_share_prefixes(tokenizer):
     heads = {s.prompt[:60] for s in samples}
     assert len(heads) == 2
     assert all(38 <= s.prompt_len <= 42 for s in samples)
+    vllm_spelling = bs.build_samples(
+        "prefix_repetition",  # vLLM's --dataset-name
+        tokenizer,
+        num_prompts=6,
+        seed=0,
+        prefix_repetition_prefix_len=32,
+        prefix_repetition_suffix_len=8,
+        prefix_repetition_num_prefixes=2,
+        prefix_repetition_output_len=5,
+    )
+    assert [s.prompt for s in vllm_spelling] == [s.prompt for s in samples]
 
 
 def test_jsonl_dataset_uses_output_len_of_the_records(tokenizer, tmp_path):

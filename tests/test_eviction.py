@@ -332,3 +332,11 @@ def test_workbench_run_takes_the_trace_and_the_plug_in(tiny_model, tmp_path):
     assert len((run_dir / "requests.jsonl").read_text().splitlines()) == 10
     bad = CliRunner().invoke(main, ["run", "--model", str(tiny_model), "--prefix-cache-eviction", "fifo"])
     assert bad.exit_code != 0 and "--enable-prefix-caching" in bad.output
+    # an option of the trace with another dataset is refused, not dropped; vLLM's spelling of the name is taken
+    bad = CliRunner().invoke(main, ["run", "--model", str(tiny_model), "--prefix-repetition-prefix-len", "24"])
+    assert bad.exit_code != 0 and "apply to dataset='prefix-repetition' only" in bad.output
+    args[args.index("prefix-repetition")] = "prefix_repetition"
+    again = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert again.exit_code == 0, again.output
+    second = max(tmp_path.iterdir(), key=lambda d: d.stat().st_mtime)
+    assert (second / "requests.jsonl").read_text().count("\n") == 10

@@ -74,6 +74,8 @@ def test_add_request_true_output_len_on_the_engine(engines):
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
     assert len(outs[0].outputs[0].token_ids) == 7 and outs[0].outputs[0].finish_reason == "stop"
+    rec = eng.recorder.requests[-1].to_dict()  # requests.jsonl's row: the cap and the true length it replayed
+    assert (rec["request_id"], rec["max_tokens"], rec["true_output_len"], rec["output_tokens"]) == ("t", 50, 7, 7)
 
 
 @pytest.mark.parametrize("allocator", ["static", "orca-max", "orca-pow2", "orca-oracle"])

@@ -85,7 +85,7 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     try:
         res = run_job(
             dataset=dataset,
-            dataset_options=options if dataset == "prefix-repetition" and options else None,
+            dataset_options=options or None,  # run_job refuses them with another dataset
             num_prompts=num_prompts,
             max_tokens=max_tokens,
             temperature=temperature,

@@ -111,13 +111,18 @@ def run_job(
 
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts} must be >= 1")
+    if dataset == "prefix_repetition":  # vLLM's spelling (vllm bench serve --dataset-name prefix_repetition)
+        dataset = PREFIX_REPETITION
     if dataset == PREFIX_REPETITION:
         if records is not None:
             raise ValueError("give either dataset='prefix-repetition' or records, not both")
         records, dataset = prefix_repetition_records(num_prompts or 64, **(dataset_options or {})), None
         shown = PREFIX_REPETITION + (f" {json.dumps(dataset_options, sort_keys=True)}" if dataset_options else "")
     elif dataset_options:
-        raise ValueError(f"dataset_options={dataset_options!r} apply to dataset='prefix-repetition' only")
+        raise ValueError(
+            f"dataset_options={dataset_options!r} (--prefix-repetition-* options) apply to dataset='prefix-repetition' "
+            f"only, not to dataset={dataset!r}; give --dataset prefix-repetition or drop them"
+        )
     else:
         shown = str(dataset) if dataset else "datasets/default_prompts.jsonl"
     records, short = select_prompts(num_prompts, dataset, records)

@@ -165,6 +165,7 @@ def build_samples(
             messages, which need the chat endpoint (see :func:`workbench.bench.serve.run_bench_serve`).
     """
     rng = np.random.default_rng(seed)
+    dataset_name = {"prefix_repetition": "prefix-repetition"}.get(dataset_name, dataset_name)  # vLLM's spelling
     if dataset_name == "random":
         ids = _ordinary_ids(tokenizer)
         in_lo, in_hi = (

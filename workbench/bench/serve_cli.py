@@ -37,9 +37,9 @@ def _rate(value: str) -> float:
 )
 @click.option(
     "--dataset-name",
-    type=click.Choice(["random", "prefix-repetition", "sharegpt", "jsonl"]),
+    type=click.Choice(["random", "prefix-repetition", "prefix_repetition", "sharegpt", "jsonl"]),
     default="random",
-    help="where prompts come from",
+    help="where prompts come from (prefix_repetition: vLLM's spelling of prefix-repetition)",
 )
 @click.option("--dataset-path", default=None, type=click.Path(dir_okay=False), help="file for sharegpt / jsonl")
 @click.option("--num-prompts", default=1000, type=int, help="requests to send")

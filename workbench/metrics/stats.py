@@ -184,6 +184,10 @@ class RequestRecord:
     num_preemptions: int = 0
     num_prefill_chunks: int = 0
     num_cached_tokens: int = 0
+    #: the output cap it ran with (tokens: ``max_tokens``, after any cap its KV reservation set)
+    max_tokens: int | None = None
+    #: a replayed trace's true output length (tokens; the request ended there as at EOS), ``None`` when not given
+    true_output_len: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -218,4 +222,6 @@ def request_record(req: Request, t0: float) -> RequestRecord:
         num_preemptions=req.num_preemptions,
         num_prefill_chunks=req.num_prefill_chunks,
         num_cached_tokens=req.num_cached_tokens,
+        max_tokens=req.sampling_params.max_tokens,
+        true_output_len=req.true_output_len,
     )
