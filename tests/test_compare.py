@@ -132,6 +132,21 @@ def test_compare_rejects_unknown_variants_before_loading(tmp_path):
     assert r.exit_code != 0 and "slab" in r.output and "orca-oracle" in r.output
 
 
+@pytest.mark.parametrize(
+    "allocators, args, match",
+    [
+        # the last variant cannot compact: refused before paged and orca-max run
+        ("paged,orca-max,buddy", {"kv_defrag_trigger": "waiting"}, r"variant buddy: .*kv_allocator='buddy'"),
+        ("paged,orca-max", {"enable_prefix_caching": True}, r"variant orca-max: .*needs kv_allocator='paged'"),
+        ("paged,tests.fixtures.nowhere:Alloc", {}, r"variant tests.fixtures.nowhere:Alloc: .*cannot load"),
+    ],
+)
+def test_compare_checks_every_variant_before_the_first_runs(tmp_path, allocators, args, match):
+    with pytest.raises(ValueError, match=match):
+        compare(allocators=allocators.split(","), output_dir=tmp_path, **(SMALL | args))
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
 def _fake_run(pool_blocks: int, used: list[int]):
     """A variant's records as the page reads them: steps with the pool split, two finished requests."""
     from types import SimpleNamespace

@@ -71,9 +71,24 @@ def largest_free_run(kv: KVManager) -> int:
     return max((n for _, n in kv.free_runs()), default=0)
 
 
-def supports_moves(kv: KVManager) -> bool:
-    """Whether the manager overrides :meth:`KVManager.move_blocks` (plug-ins refuse by default)."""
-    return type(kv).move_blocks is not KVManager.move_blocks
+def supports_moves(kv: KVManager | type[KVManager]) -> bool:
+    """Whether the manager (or its class) overrides :meth:`KVManager.move_blocks` (plug-ins refuse by default)."""
+    cls = kv if isinstance(kv, type) else type(kv)
+    return cls.move_blocks is not KVManager.move_blocks
+
+
+def check_trigger(trigger: str, kv: KVManager | type[KVManager], name: str) -> None:
+    """Refuse a compaction trigger other than ``"none"`` on a manager (or manager class) that cannot move blocks.
+
+    Raises:
+        ValueError: naming ``kv_defrag_trigger``, the allocator ``name`` and the fix.
+    """
+    if trigger != "none" and not supports_moves(kv):
+        raise ValueError(
+            f"kv_defrag_trigger={trigger!r} needs a KV manager that moves blocks, but kv_allocator={name!r} "
+            "does not implement move_blocks; use kv_defrag_trigger='none', or an allocator that moves blocks (paged, the "
+            "contiguous ones, best-fit; not buddy, whose blocks must stay aligned)"
+        )
 
 
 def plan_compaction(kv: KVManager, max_moves: int, need_blocks: int = 0) -> list[tuple[int, int]]:
@@ -188,12 +203,7 @@ class Defragmenter:
         block_bytes: int = 0,
         usage: Callable[[], object] | None = None,
     ) -> None:
-        if trigger != "none" and not supports_moves(kv):
-            raise ValueError(
-                f"kv_defrag_trigger={trigger!r} needs a KV manager that moves blocks, but kv_allocator={kv.name!r} "
-                "does not implement move_blocks; use kv_defrag_trigger='none', or an allocator that moves blocks (paged, the "
-                "contiguous ones, best-fit; not buddy, whose blocks must stay aligned)"
-            )
+        check_trigger(trigger, kv, kv.name)
         if max_moves < 1:
             raise ValueError(f"kv_defrag_max_moves={max_moves} must be >= 1")
         self.kv, self.trigger, self.max_moves, self.block_bytes = kv, trigger, max_moves, block_bytes

@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from workbench.allocators.defrag import check_trigger
 from workbench.bench.datasets import select_prompts
 from workbench.bench.output_lens import true_output_lens_for
 from workbench.bench.run import JobResult, run_job
+from workbench.config import BUILTIN_ALLOCATORS, EngineConfig
+from workbench.kv import plugin_class
 from workbench.kv.contiguous import KV_ALLOCATORS
 from workbench.metrics.waste import USED_CATEGORIES, WASTE_CATEGORIES, waste_breakdown
 from workbench.plugins import is_plugin_name
@@ -113,6 +116,7 @@ def compare(
         )
     for k in ("kv_allocator", "batching_policy"):
         engine_args.pop(k, None)
+    check_variants(allocators, batching_policies, engine_args)
     records, short = select_prompts(num_prompts, dataset)
     lens = true_output_lens_for(records, true_output_lens, max_tokens, seed=engine_args.get("seed", 0))
     replay = lens is not None  # lengths not measured from this model: EOS ignored, the request ends at them
@@ -152,6 +156,25 @@ def compare(
         config = engine_args | {"max_tokens": max_tokens, "true_output_lens": _lens_label(true_output_lens)}
         write_compare_report(out_dir / "compare.html", rows, results, config)
     return Comparison(rows, results, out_dir, [short] if short else [])
+
+
+def check_variants(allocators: list[str], batching_policies: list[str], engine_args: dict) -> None:
+    """Refuse a variant that would fail before anything runs: each (allocator, policy) pair's engine arguments are
+    validated (:meth:`EngineConfig.validate`), each plug-in allocator is loaded, and a compaction trigger is checked
+    against the allocators that cannot move blocks; so a bad last variant does not cost the runs before it.
+
+    Raises:
+        ValueError: the first variant's error, naming the variant.
+    """
+    for a in allocators:
+        for p in batching_policies:
+            try:
+                cfg = EngineConfig(**(engine_args | {"kv_allocator": a, "batching_policy": p})).validate()
+                if a in BUILTIN_ALLOCATORS or is_plugin_name(a):
+                    name = f"workbench.allocators.{BUILTIN_ALLOCATORS[a]}" if a in BUILTIN_ALLOCATORS else a
+                    check_trigger(cfg.kv_defrag_trigger, plugin_class(name), a)
+            except ValueError as e:
+                raise ValueError(f"variant {variant_label(a, p)}: {e}") from None
 
 
 def _lens_label(source) -> str:
