@@ -145,3 +145,17 @@ def test_panel_runs_the_registered_policies():
     assert list(panel.figure.data[0].x) == ["1: empty-first, scan 1/3", "2: lru"]
     with pytest.raises(ValueError, match="unknown control"):
         panel.run(policy="lru")
+
+
+def test_panel_on_the_real_engine_runs_the_bundled_model(llm):
+    """With ``llm`` the panel's Run is a real run of the bundled model on this CPU (no pool control: the engine's)."""
+    pytest.importorskip("ipywidgets")
+    panel = ev.EvictionPanel(num_prompts=8, llm=llm)
+    assert "num_gpu_blocks_override" not in panel.controls and "this CPU" in panel.figure.layout.title.text
+    row = panel.run(prefix_cache_eviction="lfu", scan_every=3, tenants=2)
+    same = ev.run_figures(ev.real_run(llm, "lfu", ev.tenant_trace(3, num_prompts=8, num_prefixes=2)), "lfu", "scan")
+    assert {k: row[k] for k in ("hit_rate", "saved_tokens", "evictions")} == {
+        k: same[k] for k in ("hit_rate", "saved_tokens", "evictions")
+    }
+    assert row["saved_tokens"] > 0 and "(this CPU)" in panel.status_text
+    assert list(panel.figure.data[0].x) == ["1: lfu, scan 1/3"]

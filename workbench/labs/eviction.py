@@ -517,36 +517,52 @@ def eviction_exercise() -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the panel
 class EvictionPanel(_Panel):
-    """The simulator's runs of one policy on one multi-tenant trace per Run: ``prefix_cache_eviction`` (the built-in
-    names and the classes registered with :func:`workbench.plugins.register_class`), the trace's knobs
-    (``tenants``, ``zipf``, ``scan_every``: 0 = no scan) and the pool (``num_gpu_blocks_override``). Each Run adds
-    its tenants' and all prompts' hit rates to the chart; the status line gives its figures.
+    """One policy on one multi-tenant trace per Run: ``prefix_cache_eviction`` (the built-in names and the classes
+    registered with :func:`workbench.plugins.register_class`), the trace's knobs (``tenants``, ``zipf``,
+    ``scan_every``: 0 = no scan). Without ``llm``: the simulator's runs at GPU scale (:data:`SIM_TRACE`,
+    :func:`sim_replay`), with the pool (``num_gpu_blocks_override``) as a control. With ``llm`` (an engine from
+    :func:`eviction_engine`): real runs of the bundled model on this CPU (:data:`REAL_TRACE`, :func:`real_run`; the
+    pool is the engine's). Each Run adds its tenants' and all prompts' hit rates to the chart; the status line gives
+    its figures.
+
+    Args:
+        num_prompts: requests per run (default: 200 simulated, :data:`REAL_TRACE`'s 24 real).
+        llm: a paged engine with prefix caching for real runs, or ``None`` for the simulator.
 
     Raises:
         ImportError: ipywidgets / anywidget missing.
     """
 
-    def __init__(self, num_prompts: int = 200):
+    def __init__(self, num_prompts: int | None = None, llm=None):
         from workbench.viz.live import _require_widgets
 
         w = _require_widgets()
         st = {"description_width": "initial"}
-        self.num_prompts = num_prompts
+        self.llm = llm
+        self.num_prompts = num_prompts or (REAL_TRACE["num_prompts"] if llm is not None else 200)
+        trace = REAL_TRACE if llm is not None else SIM_TRACE
         controls = {
             "prefix_cache_eviction": w.Dropdown(options=self.policy_options(), value="lru",
                                                 description="prefix_cache_eviction", style=st),
-            "tenants": w.IntSlider(min=1, max=32, value=SIM_TRACE["num_prefixes"], description="tenants", style=st),
-            "zipf": w.FloatSlider(min=0.0, max=2.0, step=0.1, value=SIM_TRACE["zipf"], description="Zipf exponent",
+            "tenants": w.IntSlider(min=1, max=8 if llm is not None else 32, value=trace["num_prefixes"],
+                                   description="tenants", style=st),
+            "zipf": w.FloatSlider(min=0.0, max=2.0, step=0.1, value=trace["zipf"], description="Zipf exponent",
                                   style=st),
             "scan_every": w.IntSlider(min=0, max=10, value=3, description="scan every N (0 = none)", style=st),
-            "num_gpu_blocks_override": w.Dropdown(options=[128, 256, 512, 1024], value=SIM_SETUP["num_blocks"],
-                                                  description="num_gpu_blocks_override", style=st),
         }  # fmt: skip
+        if llm is None:
+            controls["num_gpu_blocks_override"] = w.Dropdown(
+                options=[128, 256, 512, 1024], value=SIM_SETUP["num_blocks"], description="num_gpu_blocks_override",
+                style=st,
+            )  # fmt: skip
+            where = f"simulated {SIM_SETUP['model']}"
+        else:
+            where = f"this CPU, {llm.llm_engine.memory.num_blocks} blocks"
         self.figure = go.FigureWidget()
         self.figure.add_bar(x=[], y=[], name="tenants' prompts", marker_color="#1f77b4")
         self.figure.add_bar(x=[], y=[], name="all prompts", marker_color="#aec7e8")
         self.figure.update_layout(
-            **title_and_legend_above(f"Hit rate per run ({num_prompts} requests, simulated {SIM_SETUP['model']})", 420),
+            **title_and_legend_above(f"Hit rate per run ({self.num_prompts} requests, {where})", 420),
             barmode="group",
             xaxis_title="run",
             yaxis=percent_axis(0, 1, "hit rate (prompt tokens from the cache)"),
@@ -572,11 +588,14 @@ class EvictionPanel(_Panel):
 
     def _run(self, values):
         n, scan = values["tenants"], values["scan_every"]
-        trace = SIM_TRACE | {"num_prompts": self.num_prompts, "num_prefixes": n, "zipf": float(values["zipf"])}
-        records = prefix_repetition_records(**trace, scan_every=scan)
-        policy = values["prefix_cache_eviction"]
-        steps, reqs, _ = sim_replay(policy, records, num_blocks=values["num_gpu_blocks_override"])
-        row = _figures(policy, "scan" if scan else "tenants", steps, reqs)
+        knobs = {"num_prompts": self.num_prompts, "num_prefixes": n, "zipf": float(values["zipf"])}
+        policy, name = values["prefix_cache_eviction"], "scan" if scan else "tenants"
+        if self.llm is not None:
+            row = run_figures(real_run(self.llm, policy, tenant_trace(scan, **knobs)), policy, name)
+        else:
+            records = prefix_repetition_records(**(SIM_TRACE | knobs), scan_every=scan)
+            steps, reqs, _ = sim_replay(policy, records, num_blocks=values["num_gpu_blocks_override"])
+            row = _figures(policy, name, steps, reqs)
         label = f"{len(self.history) + 1}: {row['policy']}" + (f", scan 1/{scan}" if scan else "")
         with self.figure.batch_update():
             for trace, key in zip(self.figure.data, ("tenant_hit_rate", "hit_rate"), strict=True):
@@ -590,5 +609,5 @@ class EvictionPanel(_Panel):
             f"{row['policy']}: hit rate {_pct(row['hit_rate'])} of all prompt tokens, {_pct(row['tenant_hit_rate'])} "
             f"of the tenants', {_pct(row['hot_hit_rate'])} of tenant 0's; {row['saved_tokens']:,} prefill tokens "
             f"saved, {row['evictions']:,} evictions (mean age {age} steps), TTFT mean {row['ttft_mean_ms']:,.1f} ms "
-            "(simulated)"
+            + ("(this CPU)" if self.llm is not None else "(simulated)")
         )
