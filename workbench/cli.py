@@ -6,6 +6,7 @@ workbench run --dataset ../shared/data/sharegpt/ShareGPT_V3_filtered_500.json --
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -339,6 +340,54 @@ def lab(labs_dir, port, no_browser, jupyter_args):
 @main.group()
 def bench() -> None:
     """Benchmarks against a running server, as `vllm bench`."""
+
+
+@bench.command("compare")
+@click.argument("baseline", nargs=1, type=click.Path(exists=True))
+@click.argument("new", nargs=1, type=click.Path(exists=True))
+@click.option(
+    "--latency-threshold", default=1.20, show_default=True, type=float, help="a latency regressed above this ratio"
+)
+@click.option(
+    "--throughput-threshold", default=0.80, show_default=True, type=float, help="a throughput regressed below this"
+)
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False), help="write the report page here")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the rows as JSON here")
+def bench_compare(baseline, new, latency_threshold, throughput_threshold, html_path, json_path):
+    """Compare NEW benchmark results against BASELINE: per metric the ratio of the medians over repeats, a verdict,
+    and exit code 1 when a gated metric regressed (0 when none did, 2 on bad input), for CI.
+
+    BASELINE and NEW are each a `bench serve --save-result` JSON file, a `workbench run` folder, a JSON list or JSON
+    Lines of results, or a folder of such files or folders (the repeats).
+
+    \b
+    workbench bench compare runs/base/ runs/new/ --html compare.html
+    workbench bench compare base.json new.json --latency-threshold 1.1
+    """
+    from rich.console import Console
+
+    from workbench.bench.regression import compare_results, load_results
+
+    try:
+        report = compare_results(load_results(baseline), load_results(new), latency_threshold, throughput_threshold)
+    except (ValueError, FileNotFoundError) as e:
+        bad = click.ClickException(str(e))
+        bad.exit_code = 2  # bad input; 1 is a regression
+        raise bad from None
+    console = Console(width=max(120, Console().width))
+    console.print(str(report.table()), markup=False, highlight=False, soft_wrap=True)
+    for r in report.regressions:
+        limit = report.throughput_limit if r["higher_is_better"] else report.latency_limit
+        console.print(f"REGRESSED: {r['metric']} ({r['key']}) {r['ratio']:.3f}x the baseline median (limit {limit:.2f}x)",
+                      style="red", markup=False)  # fmt: skip
+    if html_path:
+        console.print(f"report: {report.write_html(html_path)}", markup=False)
+    if json_path:
+        from pathlib import Path
+
+        Path(json_path).write_text(json.dumps(report.to_dict(), indent=2))
+        console.print(f"rows:   {json_path}", markup=False)
+    sys.exit(0 if report.passed else 1)
 
 
 bench.add_command(bench_serve_command)  # `workbench bench serve`; its options live in workbench.bench.serve_cli
