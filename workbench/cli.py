@@ -275,10 +275,16 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
     "--api-key",
     envvar="VLLM_API_KEY",
     default=None,
-    help="require 'Authorization: Bearer KEY' on /v1 requests [env: VLLM_API_KEY]",
+    help="require 'Authorization: Bearer KEY' on /v1 and /admin requests [env: VLLM_API_KEY]",
+)
+@click.option(
+    "--enable-admin-api",
+    is_flag=True,
+    help="add GET /admin/state, POST /admin/compact and /admin/max_num_seqs (an alert receiver's actions; not in vLLM)",
 )
 @engine_options
-def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, log_level, api_key, **kw):
+def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, log_level, api_key, enable_admin_api,
+          **kw):  # fmt: skip
     """Serve the model over HTTP, as `vllm serve`: POST /v1/completions and /v1/chat/completions
     (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize
     and /detokenize. MODEL_TAG, when given, is the model (as --model).
@@ -294,7 +300,7 @@ def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, l
     if model_tag is not None:
         args["model"] = model_tag
     try:
-        run_server(args, host, port, served_model_name, log_level, graceful_shutdown_timeout, api_key)
+        run_server(args, host, port, served_model_name, log_level, graceful_shutdown_timeout, api_key, enable_admin_api)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
 

@@ -270,11 +270,13 @@ def build_app(
     sink: PrometheusSink | None = None,
     api_key: str | None = None,
     health_stall_s: float = 300.0,
+    enable_admin_api: bool = False,
 ) -> FastAPI:
     """The FastAPI application over ``llm`` (see the module docstring for the endpoints). With
-    ``api_key``, every ``/v1`` request needs the header ``Authorization: Bearer <api_key>`` (401
-    otherwise), as ``vllm serve --api-key``. ``GET /health`` answers 503 when the engine loop has
-    stopped, or has made no progress for ``health_stall_s`` seconds (one step never takes that long)."""
+    ``api_key``, every ``/v1`` and ``/admin`` request needs the header ``Authorization: Bearer <api_key>``
+    (401 otherwise), as ``vllm serve --api-key``. ``GET /health`` answers 503 when the engine loop has
+    stopped, or has made no progress for ``health_stall_s`` seconds (one step never takes that long).
+    ``enable_admin_api`` adds the operator's actions (:func:`add_admin_routes`)."""
     serving = OpenAIServing(llm, served_model_name)
 
     @asynccontextmanager
@@ -288,7 +290,8 @@ def build_app(
 
         @app.middleware("http")
         async def _auth(request: Request, call_next):
-            if request.url.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {api_key}":
+            guarded = request.url.path.startswith(("/v1", "/admin"))
+            if guarded and request.headers.get("Authorization") != f"Bearer {api_key}":
                 err = APIError("missing or wrong API key: send the header 'Authorization: Bearer <key>'", 401)
                 return JSONResponse(err.body(), status_code=401)
             return await call_next(request)
@@ -331,6 +334,9 @@ def build_app(
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc):
         return JSONResponse(APIError(str(exc), 503).body(), status_code=503)
+
+    if enable_admin_api:
+        add_admin_routes(app, llm)
 
     @app.get("/health")
     async def health():
@@ -577,6 +583,74 @@ class _GracefulServer:
         return Server(config)
 
 
+def add_admin_routes(app: FastAPI, llm: AsyncLLM) -> None:
+    """The operator's actions, run on the engine thread between steps (``workbench serve --enable-admin-api``; what an
+    alert's receiver calls, ``workbench.server.alert_receiver``):
+
+    * ``GET /admin/state``: ``max_num_seqs`` now and as configured, the allocator, compaction passes so far;
+    * ``POST /admin/compact`` ``{"max_moves": N}`` (optional): one KV compaction pass now (``LLMEngine.compact``);
+      its blocks and bytes moved, the largest free run before and after, the copies' seconds;
+    * ``POST /admin/max_num_seqs`` ``{"max_num_seqs": N}``: admit at most N running requests from the next step
+      (1 .. the configured ``max_num_seqs``; running requests above N are not preempted, they finish).
+
+    Bad values answer 400 naming the value and the range; an allocator that cannot move blocks answers 400.
+    vLLM has no such endpoints (its development endpoints, e.g. ``/reset_prefix_cache``, are behind
+    ``VLLM_SERVER_DEV_MODE=1``); these exist for the course's alert-to-action loop.
+    """
+
+    def state(eng) -> dict:
+        return {
+            "max_num_seqs": eng.scheduler.max_num_seqs,
+            "configured_max_num_seqs": eng.config.max_num_seqs,
+            "kv_allocator": eng.config.kv_allocator,
+            "compaction_passes": len(eng.defrag.passes),
+            "num_requests_running": len(eng.scheduler.running),
+            "num_requests_waiting": len(eng.scheduler.waiting),
+        }
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as e:
+            raise APIError(f"the body is not valid JSON ({e}); send one JSON object", 400) from None
+        if not isinstance(body, dict):
+            raise APIError("the body must be a JSON object", 400)
+        return body
+
+    @app.get("/admin/state")
+    async def admin_state():
+        return await asyncio.to_thread(llm.call, state)
+
+    @app.post("/admin/compact")
+    async def admin_compact(request: Request):
+        mm = (await body_of(request)).get("max_moves")
+        if mm is not None and (isinstance(mm, bool) or not isinstance(mm, int) or mm < 1):
+            raise APIError(f"max_moves={mm!r} must be a whole number of block moves >= 1, or absent", 400, "max_moves")
+        try:
+            p = await asyncio.to_thread(llm.call, lambda eng: eng.compact(mm))
+        except NotImplementedError as e:
+            raise APIError(f"{e}; run the server with an allocator that moves blocks (e.g. paged)", 400) from None
+        if p is None:
+            return {"blocks_moved": 0, "bytes_moved": 0}
+        keys = ("blocks_moved", "bytes_moved", "largest_run_before", "largest_run_after", "gap_before", "gap_after")
+        return {k: getattr(p, k) for k in keys} | {"copy_time_s": p.copy_time_s}
+
+    @app.post("/admin/max_num_seqs")
+    async def admin_max_num_seqs(request: Request):
+        n = (await body_of(request)).get("max_num_seqs")
+
+        def apply(eng):
+            top = eng.config.max_num_seqs
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= top:
+                raise APIError(f"max_num_seqs={n!r} must be a whole number in [1, {top}] (the configured one)", 400)
+            old, eng.scheduler.max_num_seqs = eng.scheduler.max_num_seqs, n
+            log.warning("admin: max_num_seqs %d -> %d", old, n)
+            return {"max_num_seqs": n, "previous": old}
+
+        return await asyncio.to_thread(llm.call, apply)
+
+
 def run_server(
     engine_args: dict,
     host: str = "127.0.0.1",
@@ -585,8 +659,9 @@ def run_server(
     log_level: str = "info",
     graceful_shutdown_timeout: float = 5.0,
     api_key: str | None = None,
+    enable_admin_api: bool = False,
 ) -> None:
-    """Load the engine, then serve until SIGINT / SIGTERM (blocks).
+    """Load the engine, then serve until SIGINT / SIGTERM (blocks); ``enable_admin_api``: :func:`add_admin_routes`.
 
     Raises:
         ValueError / FileNotFoundError: a bad engine argument, before anything listens.
@@ -598,7 +673,7 @@ def run_server(
         name = served_model_name or llm.engine.config.model
         sink = PrometheusSink(name, engine=llm.engine)
         llm.engine.recorder.add_sink(sink)
-        app = build_app(llm, name, sink, api_key)
+        app = build_app(llm, name, sink, api_key, enable_admin_api=enable_admin_api)
         log.info(
             "serving %s on http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions; "
             "Prometheus: /metrics)",
@@ -624,4 +699,4 @@ def run_server(
         llm.shutdown()
 
 
-__all__ = ["OpenAIServing", "build_app", "run_server"]
+__all__ = ["OpenAIServing", "add_admin_routes", "build_app", "run_server"]
