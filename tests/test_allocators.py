@@ -445,3 +445,14 @@ def test_workbench_run_and_compare_cli_take_the_new_allocators(tmp_path):
     rows = json.loads((folder / "compare.json").read_text())
     assert [x["kv_allocator"] for x in rows] == ["paged", "orca-max", "best-fit", "buddy"]
     assert all(x["requests_finished"] == 2 for x in rows)
+
+
+def test_a_run_where_no_request_finished_fails(tmp_path):
+    """Every prompt refused (the bundled model's chat prompts are longer than max_model_len=16 allows): the table and
+    the reasons print, the exit code is 1."""
+    from workbench.cli import main
+
+    args = ["run", "--max-model-len", "16", "--num-prompts", "2", "--max-tokens", "2", "--output-dir", str(tmp_path)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1, r.output
+    assert "none of the 2 requests finished; the reasons are above" in r.output and "refused" in r.output

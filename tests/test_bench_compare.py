@@ -90,16 +90,24 @@ def test_the_cli_exit_codes_the_report_and_the_inputs(tmp_path):
     assert saved["passed"] is False and len(saved["rows"]) == len(metrics_of(serve_result()))
     # a looser limit lets the same change pass
     assert invoke(base, new, "--latency-threshold", "1.4").exit_code == 0
-    # a different workload is warned about
+    # a different workload is refused (exit 2), unless allowed: then it is a warning under the table
     other = tmp_path / "other.json"
     other.write_text(json.dumps(serve_result(num_prompts=50)))
-    assert "the workloads differ in num_prompts: baseline 100, new 50" in invoke(base, other).output
+    refused = invoke(base, other)
+    assert refused.exit_code == 2 and "the workloads differ in num_prompts: baseline 100, new 50" in refused.output
+    allowed = invoke(base, other, "--allow-workload-mismatch")
+    assert allowed.exit_code == 0 and "the workloads differ in num_prompts" in allowed.output
+    # a run that finished nothing is not a repeat
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(serve_result(completed=0)))
+    r = invoke(base, empty)
+    assert r.exit_code == 2 and "empty.json: no request finished" in r.output
 
 
 @pytest.mark.parametrize(
     "content, args, match",
     [
-        ('{"foo": 1}', (), "neither 'request_throughput'"),
+        ('{"foo": 1}', (), r"new.json: a result with neither 'request_throughput'"),
         ("not json\n", (), "neither JSON nor JSON Lines"),
         ("[]", (), "holds no result objects"),
         (None, ("--latency-threshold", "0.9"), "latency_limit=0.9 must be > 1"),

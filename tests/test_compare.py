@@ -138,7 +138,8 @@ def test_compare_rejects_unknown_variants_before_loading(tmp_path):
         # the last variant cannot compact: refused before paged and orca-max run
         ("paged,orca-max,buddy", {"kv_defrag_trigger": "waiting"}, r"variant buddy: .*kv_allocator='buddy'"),
         ("paged,orca-max", {"enable_prefix_caching": True}, r"variant orca-max: .*needs kv_allocator='paged'"),
-        ("paged,tests.fixtures.nowhere:Alloc", {}, r"variant tests.fixtures.nowhere:Alloc: .*cannot load"),
+        ("paged,tests.fixtures.nowhere:Alloc", {}, r"variant Alloc: .*cannot load"),
+        ("paged,orca-max,paged", {}, r"paged given twice"),
     ],
 )
 def test_compare_checks_every_variant_before_the_first_runs(tmp_path, allocators, args, match):

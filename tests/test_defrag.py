@@ -463,3 +463,21 @@ def test_the_run_tables_name_the_kv_manager_and_show_the_compaction_figures():
         ("KV compaction: passes, blocks moved, copy time; requests unblocked", "3, 12 (3.0 MiB), 4.2 ms; 2")
     ]
     assert kv_figure_rows({"prefix_cache_queries_total": 0}) == []
+    # on, but nothing happened: said so, not left out
+    cfg = EngineConfig(kv_defrag_trigger="waiting", enable_prefix_caching=True).to_dict()
+    assert kv_figure_rows({"prefix_cache_evictions_total": 0}, cfg) == [
+        ("prefix-cache evictions", "0 (the cache never had to give a block back)"),
+        ("KV compaction passes", "0 (the waiting trigger never fired)"),
+    ]
+
+
+def test_run_job_refuses_compaction_on_buddy_before_the_model_loads(tiny_model, monkeypatch):
+    from workbench.bench import run as run_module
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(run_module, "LLM", no_load)
+    with pytest.raises(ValueError, match="kv_allocator='buddy' does not implement move_blocks"):
+        run_module.run_job(kv_allocator="buddy", kv_defrag_trigger="waiting", model=str(tiny_model), num_prompts=1,
+                           output_dir=None, progress=False)  # fmt: skip

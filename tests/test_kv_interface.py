@@ -325,3 +325,5 @@ def test_compare_cli_takes_the_plug_in(tmp_path):
     (folder,) = (tmp_path / "cli").iterdir()
     rows = json.loads((folder / "compare.json").read_text())
     assert [x["kv_allocator"] for x in rows] == ["paged", PLUGIN]
+    name = PLUGIN.rsplit(":", 1)[1]  # a plug-in's variant and run folder go by its class name (no ':' in a path)
+    assert [x["variant"] for x in rows] == ["paged", name] and (folder / name / "summary.json").is_file()

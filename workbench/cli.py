@@ -83,6 +83,8 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     console = Console()
     options = {k.removeprefix("prefix_repetition_"): kw.pop(k) for k in list(kw) if k.startswith("prefix_repetition_")}
     options = {k: v for k, v in options.items() if v is not None}
+    if "scan_len" in options and not options.get("scan_every"):
+        raise click.UsageError("--prefix-repetition-scan-len has no effect without --prefix-repetition-scan-every N")
     try:
         res = run_job(
             dataset=dataset,
@@ -106,7 +108,7 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     swapped = swapped if any(swapped) else None
     t = Table(title="workbench run", show_header=True)
     t.add_column("metric")
-    t.add_column("value", justify="right")
+    t.add_column("value", justify="right", overflow="fold")  # a plug-in's long name wraps, not cut
 
     def ms(v):
         return "n/a" if v is None else f"{v * 1000:,.1f} ms"
@@ -148,7 +150,7 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
                 f"{comm_s:.2f} s / {model_s:.2f} s, {mib:,.1f} MiB all-reduced",
             )
         )
-    rows += kv_figure_rows(s)
+    rows += kv_figure_rows(s, res.engine_config)
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
@@ -161,6 +163,8 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
         console.print(f"report:   {res.run_dir / 'report.html'}")
         console.print(f"steps:    {res.run_dir / 'steps.jsonl'}")
         console.print(f"requests: {res.run_dir / 'requests.jsonl'}")
+    if s["requests_total"] and not s["requests_finished"]:  # nothing was served: not a successful run
+        raise click.ClickException(f"none of the {s['requests_total']} requests finished; the reasons are above")
 
 
 @main.command(short_help="Run one trace through several KV allocators / batching policies; one report.")
@@ -359,7 +363,13 @@ def bench() -> None:
 )
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False), help="write the report page here")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="write the rows as JSON here")
-def bench_compare(baseline, new, latency_threshold, throughput_threshold, html_path, json_path):
+@click.option(
+    "--allow-workload-mismatch",
+    is_flag=True,
+    help="compare although the two sides ran different workloads (prompts, rate, concurrency); refused otherwise",
+)
+def bench_compare(baseline, new, latency_threshold, throughput_threshold, html_path, json_path,
+                  allow_workload_mismatch):  # fmt: skip
     """Compare NEW benchmark results against BASELINE: per metric the ratio of the medians over repeats, a verdict,
     and exit code 1 when a gated metric regressed (0 when none did, 2 on bad input), for CI.
 
@@ -375,7 +385,10 @@ def bench_compare(baseline, new, latency_threshold, throughput_threshold, html_p
     from workbench.bench.regression import compare_results, load_results
 
     try:
-        report = compare_results(load_results(baseline), load_results(new), latency_threshold, throughput_threshold)
+        report = compare_results(
+            load_results(baseline), load_results(new), latency_threshold, throughput_threshold,
+            allow_workload_mismatch=allow_workload_mismatch,
+        )  # fmt: skip
     except (ValueError, FileNotFoundError) as e:
         bad = click.ClickException(str(e))
         bad.exit_code = 2  # bad input; 1 is a regression

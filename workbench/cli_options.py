@@ -145,11 +145,15 @@ def kv_manager_line(cfg: dict) -> str:
     return "; ".join(parts)
 
 
-def kv_figure_rows(s: dict) -> list[tuple[str, str]]:
-    """``(label, value)`` rows of a run summary's prefix-cache and compaction figures, those it has
-    (:func:`workbench.metrics.stats.prefix_cache_summary`, :func:`workbench.viz.report.summary_table`)."""
+def kv_figure_rows(s: dict, cfg: dict | None = None) -> list[tuple[str, str]]:
+    """``(label, value)`` rows of a run summary's prefix-cache and compaction figures
+    (:func:`workbench.metrics.stats.prefix_cache_summary`, :func:`workbench.viz.report.summary_table`): those it has,
+    and, given the run's engine arguments ``cfg``, those its features make expected even at zero (no evictions,
+    a trigger that never fired), so "ran and did nothing" reads differently from "off"."""
+    cfg = cfg or {}
+    caching, trigger = cfg.get("enable_prefix_caching"), cfg.get("kv_defrag_trigger", "none")
     rows = []
-    queries, hits = s.get("prefix_cache_queries_total"), s.get("prefix_cache_hits_total")
+    queries, hits = s.get("prefix_cache_queries_total") or 0, s.get("prefix_cache_hits_total") or 0
     if queries:
         rows.append(("prefix-cache hit rate (prompt tokens)", f"{hits / queries:.1%} ({hits:,} of {queries:,})"))
     if s.get("prefix_cache_evictions_total"):
@@ -160,6 +164,8 @@ def kv_figure_rows(s: dict) -> list[tuple[str, str]]:
                 f"{s['prefix_cache_evictions_total']:,} blocks, {age[0]:,.1f} / {age[1]:,.1f} steps",
             )
         )
+    elif caching:
+        rows.append(("prefix-cache evictions", "0 (the cache never had to give a block back)"))
     if s.get("defrag_passes"):
         rows.append(
             (
@@ -168,4 +174,6 @@ def kv_figure_rows(s: dict) -> list[tuple[str, str]]:
                 f"{s['defrag_copy_time_s'] * 1e3:,.1f} ms; {s['defrag_unblocked_reqs']:,}",
             )
         )
+    elif trigger != "none":
+        rows.append(("KV compaction passes", f"0 (the {trigger} trigger never fired)"))
     return rows

@@ -20,12 +20,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from workbench.allocators.defrag import check_trigger
 from workbench.bench.datasets import select_prompts
 from workbench.bench.output_lens import true_output_lens_for
-from workbench.bench.run import JobResult, run_job
-from workbench.config import BUILTIN_ALLOCATORS, EngineConfig
-from workbench.kv import plugin_class
+from workbench.bench.run import JobResult, check_engine_args, run_job
 from workbench.kv.contiguous import KV_ALLOCATORS
 from workbench.metrics.waste import USED_CATEGORIES, WASTE_CATEGORIES, waste_breakdown
 from workbench.plugins import is_plugin_name
@@ -44,7 +41,10 @@ class Comparison:
 
 
 def variant_label(allocator: str, policy: str) -> str:
-    return allocator if policy == "continuous" else f"{allocator} / {policy}"
+    """A variant's short name: the allocator (a plug-in by its class name), with the batching policy unless it is
+    ``continuous``."""
+    name = allocator.rsplit(":", 1)[-1]
+    return name if policy == "continuous" else f"{name} / {policy}"
 
 
 def compare_row(label: str, allocator: str, policy: str, res: JobResult) -> dict:
@@ -166,13 +166,16 @@ def check_variants(allocators: list[str], batching_policies: list[str], engine_a
     Raises:
         ValueError: the first variant's error, naming the variant.
     """
+    twice = sorted(
+        {a for a in allocators if allocators.count(a) > 1}
+        | {p for p in batching_policies if batching_policies.count(p) > 1}
+    )
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given twice; give each allocator and batching policy once")
     for a in allocators:
         for p in batching_policies:
             try:
-                cfg = EngineConfig(**(engine_args | {"kv_allocator": a, "batching_policy": p})).validate()
-                if a in BUILTIN_ALLOCATORS or is_plugin_name(a):
-                    name = f"workbench.allocators.{BUILTIN_ALLOCATORS[a]}" if a in BUILTIN_ALLOCATORS else a
-                    check_trigger(cfg.kv_defrag_trigger, plugin_class(name), a)
+                check_engine_args(engine_args | {"kv_allocator": a, "batching_policy": p})
             except ValueError as e:
                 raise ValueError(f"variant {variant_label(a, p)}: {e}") from None
 

@@ -125,6 +125,13 @@ def _results_in(path: Path) -> list[dict[str, Any]]:
     data = data if isinstance(data, list) else [data]
     if not data or not all(isinstance(d, dict) for d in data):
         raise ValueError(f"{path} holds no result objects; give a result, a list of results or JSON Lines of them")
+    for d in data:
+        try:
+            metrics_of(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        if d.get("completed", d.get("requests_finished")) == 0:
+            raise ValueError(f"{path}: no request finished in this run; it measures nothing to compare (drop it)")
     return data
 
 
@@ -277,6 +284,7 @@ def compare_results(
     new: Sequence[dict[str, Any]],
     latency_limit: float = LATENCY_LIMIT,
     throughput_limit: float = THROUGHPUT_LIMIT,
+    allow_workload_mismatch: bool = False,
 ) -> RegressionReport:
     """Compare ``new`` repeats against ``baseline`` repeats metric by metric (see the module docstring).
 
@@ -284,13 +292,15 @@ def compare_results(
         baseline, new: results of one kind (``bench serve`` results or ``workbench run`` summaries), one per repeat.
         latency_limit: a latency regressed above this ratio (> 1).
         throughput_limit: a throughput regressed below this ratio (in (0, 1)).
+        allow_workload_mismatch: compare although the sides differ in :data:`WORKLOAD_KEYS` (then a warning each).
 
     Returns:
         A :class:`RegressionReport`; ``ratio`` is ``None`` (verdict ``"n/a"``) where a side lacks the metric or the
         baseline median is 0.
 
     Raises:
-        ValueError: an empty side, results of different kinds, or limits out of range.
+        ValueError: an empty side, results of different kinds, limits out of range, or workloads that differ
+            (unless ``allow_workload_mismatch``).
     """
     if not baseline or not new:
         raise ValueError(f"baseline has {len(baseline)} result(s) and new {len(new)}: each side needs at least one")
@@ -331,4 +341,9 @@ def compare_results(
             warnings.append(
                 f"the workloads differ in {k}: baseline {', '.join(sorted(bv))}, new {', '.join(sorted(nv))}"
             )
+    if warnings and not allow_workload_mismatch:
+        raise ValueError(
+            "; ".join(warnings) + ": the ratios would not measure the change alone; rerun on the same workload, or "
+            "give --allow-workload-mismatch (allow_workload_mismatch=True) to compare anyway"
+        )
     return RegressionReport(rows, latency_limit, throughput_limit, len(baseline), len(new), warnings)

@@ -50,6 +50,27 @@ class JobResult:
     engine_config: dict = field(default_factory=dict)
 
 
+def check_engine_args(engine_args: dict) -> EngineConfig:
+    """Validate engine arguments before any model loads: :meth:`EngineConfig.validate`, then a plug-in allocator's
+    class is loaded and a compaction trigger checked against it (buddy and plug-ins without ``move_blocks`` cannot
+    compact). Returns the validated config.
+
+    Raises:
+        ValueError: what the engine would refuse once built, naming the value and the fix.
+    """
+    from workbench.allocators.defrag import check_trigger
+    from workbench.config import BUILTIN_ALLOCATORS
+    from workbench.kv import plugin_class
+    from workbench.plugins import is_plugin_name
+
+    cfg = EngineConfig(**engine_args).validate()
+    a = cfg.kv_allocator
+    if a in BUILTIN_ALLOCATORS or is_plugin_name(a):
+        cls = plugin_class(f"workbench.allocators.{BUILTIN_ALLOCATORS[a]}" if a in BUILTIN_ALLOCATORS else a)
+        check_trigger(cfg.kv_defrag_trigger, cls, a)
+    return cfg
+
+
 def to_engine_prompt(rec: PromptRecord):
     """A dataset record as an engine prompt: chat records become one user message."""
     if rec.chat and isinstance(rec.prompt, str):
@@ -140,7 +161,7 @@ def run_job(
         for r in records
     ]
     if llm is None:
-        EngineConfig(**engine_args).validate()  # bad arguments fail here, before any model loads
+        check_engine_args(engine_args)  # bad arguments fail here, before any model loads
     allocator = llm.llm_engine.config.kv_allocator if llm is not None else engine_args.get("kv_allocator", "paged")
     if true_output_lens is None and all(r.output_len for r in records):
         true_output_lens = [r.output_len for r in records]  # a trace that records them: replayed

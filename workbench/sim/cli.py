@@ -184,7 +184,7 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
 
     t = Table(title=f"workbench simulate: {spec.arch.name} on {eng.memory.device_name}")
     t.add_column("metric")
-    t.add_column("value", justify="right")
+    t.add_column("value", justify="right", overflow="fold")
     rows = [
         ("memory", eng.memory.summary_line()),
         ("KV manager", kv_manager_line(eng.config.to_dict())),
@@ -202,7 +202,7 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
         ("mean requests batched per step", f"{s['batched_reqs_mean']:.1f}"),
         ("KV blocks used (peak / pool)", f"{s['blocks_used_peak']:,} / {eng.memory.num_blocks:,}"),
         ("preemptions", f"{s['preemptions_total']:,}"),
-        *kv_figure_rows(s),
+        *kv_figure_rows(s, eng.config.to_dict()),
     ]
     for k, v in rows:
         t.add_row(k, v)
