@@ -418,9 +418,7 @@ def test_random_prompts_hit_the_input_length(tokenizer):
 
 
 def test_prefix_repetition_prompts_share_prefixes(tokenizer):
-    samples = bs.build_samples(
-        "prefix-repetition",
-        tokenizer,
+    knobs = dict(
         num_prompts=6,
         seed=0,
         prefix_repetition_prefix_len=32,
@@ -428,20 +426,12 @@ def test_prefix_repetition_prompts_share_prefixes(tokenizer):
         prefix_repetition_num_prefixes=2,
         prefix_repetition_output_len=5,
     )
+    samples = bs.build_samples("prefix-repetition", tokenizer, **knobs)
     assert len(samples) == 6 and all(s.expected_output_len == 5 for s in samples)
     heads = {s.prompt[:60] for s in samples}
     assert len(heads) == 2
     assert all(38 <= s.prompt_len <= 42 for s in samples)
-    vllm_spelling = bs.build_samples(
-        "prefix_repetition",  # vLLM's --dataset-name
-        tokenizer,
-        num_prompts=6,
-        seed=0,
-        prefix_repetition_prefix_len=32,
-        prefix_repetition_suffix_len=8,
-        prefix_repetition_num_prefixes=2,
-        prefix_repetition_output_len=5,
-    )
+    vllm_spelling = bs.build_samples("prefix_repetition", tokenizer, **knobs)  # vLLM's --dataset-name
     assert [s.prompt for s in vllm_spelling] == [s.prompt for s in samples]
 
 
