@@ -155,6 +155,11 @@ def load_results(paths: str | Path | Sequence[str | Path]) -> list[dict[str, Any
     return out
 
 
+def _num(v: float) -> str:
+    """Four significant figures, never in scientific notation (``15,600``, not ``1.56e+04``)."""
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -188,7 +193,7 @@ class RegressionReport:
                 med, lo, hi = row[f"{prefix}_median"], row[f"{prefix}_min"], row[f"{prefix}_max"]
                 if med is None:
                     return "-"
-                return f"{med:,.4g}" + ("" if lo == hi else f" [{lo:,.4g}-{hi:,.4g}]")
+                return _num(med) + ("" if lo == hi else f" [{_num(lo)}-{_num(hi)}]")
 
             return fmt
 
