@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _lab_contexts_arch
 import _lab_contexts_multigpu
+import _lab_contexts_production
 import _lab_contexts_tuning
 import pytest
 
@@ -94,7 +95,7 @@ WRONG = {
     "6.1": [lambda n, p, b: n * (p // b), lambda n, p, b: (n - 1) * p / b],
     "6.2": [4, 0],
 }
-for _stage3 in (_lab_contexts_tuning, _lab_contexts_multigpu, _lab_contexts_arch):  # chapters 7-10, 14
+for _stage3 in (_lab_contexts_tuning, _lab_contexts_multigpu, _lab_contexts_arch, _lab_contexts_production):  # 7-18
     CONTEXTS.update(_stage3.CONTEXTS)
     WRONG.update(_stage3.WRONG)
 
@@ -247,6 +248,10 @@ def test_binder_installs_what_the_labs_need():
         "12_eviction_policies.ipynb",
         "13_defragmentation.ipynb",
         "14_memory_beside_kv.ipynb",
+        "15_case_study.ipynb",
+        "16_load_testing.ipynb",
+        "17_monitoring_and_alerting.ipynb",
+        "18_regression_baseline.ipynb",
     ]
 
 

@@ -18,6 +18,10 @@
 - :mod:`workbench.labs.compaction` — chapter 13: KV defragmentation by block copies, cost against benefit;
 - :mod:`workbench.labs.rank_memory` — chapter 14: memory beside the KV cache on every rank (measured on
   a TP=3 engine, modelled for 4-8 GPUs, a slider panel);
+- :mod:`workbench.labs.case_study` — chapter 15: the 70B case study replayed in the simulator, hypothesis by hypothesis;
+- :mod:`workbench.labs.load_testing` — chapter 16: load testing a real ``workbench serve`` with ``bench serve``;
+- :mod:`workbench.labs.monitoring` — chapter 17: a real Prometheus scraping the server, alerts, the alert-to-action loop;
+- :mod:`workbench.labs.regression_baseline` — chapter 18: a performance regression baseline and ``bench compare``;
 - :mod:`workbench.labs.own_allocator` — chapter 11: your own allocator (a skeleton's reference solution, buggy
   variants, the scheduler's call trace, side-by-side runs); :func:`register_allocator` plugs a class defined in a
   notebook cell in by name.
@@ -45,15 +49,19 @@ __all__ = [
 
 #: chapter modules, imported on first use (they import plotly, widgets, the simulator)
 _MODULES = (
+    "case_study",
     "chapters",
     "chunked",
     "eviction",
+    "load_testing",
+    "monitoring",
     "compaction",
     "multigpu_common",
     "nccl_buffers",
     "own_allocator",
     "panel",
     "rank_memory",
+    "regression_baseline",
     "sweep",
     "tensor_parallel",
 )

@@ -441,4 +441,9 @@ class _SwapBytes:
 
 # The later chapters' exercises register themselves in the registry on import (after chapters 1-6, so
 # EXERCISES keeps chapter order); they import the registry, not this module.
-from workbench.labs import exercises_arch, exercises_multigpu, exercises_tuning  # noqa: E402, F401
+from workbench.labs import (  # noqa: E402, F401
+    exercises_arch,
+    exercises_multigpu,
+    exercises_production,
+    exercises_tuning,
+)
