@@ -126,8 +126,185 @@ class _WhichHypotheses:
 
 
 # ---------------------------------------------------------------- chapter 17: monitoring and alerting
-# (chapter 17's exercises go here)
+def _hq(q: float, buckets: list) -> float:
+    """Prometheus' histogram_quantile on cumulative (le, count) buckets: linear inside the bucket the rank falls in;
+    the +Inf bucket answers the largest finite bound (promql/quantile.go)."""
+    bs = sorted((float(le), float(c)) for le, c in buckets)
+    total = bs[-1][1]
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in bs:
+        if c >= rank:
+            if le == float("inf"):
+                return prev_le
+            if c == prev_c:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+@_register(
+    "17.1",
+    "Write histogram_quantile(q, buckets) as Prometheus computes it: buckets are cumulative (le, count) pairs of a "
+    "histogram (the last le is +Inf); return the q-quantile in the buckets' unit. The answer is the function.",
+    "rank = q x the +Inf bucket's count; find the first bucket whose count reaches the rank; interpolate linearly "
+    "between the previous bucket's bound (0 for the first) and this one's; in the +Inf bucket answer the largest "
+    "finite bound.",
+)
+class _HistogramQuantile:
+    @staticmethod
+    def solution(buckets: list):
+        return _hq
+
+    @staticmethod
+    def judge(answer, buckets: list) -> tuple[bool, str]:
+        import math
+
+        quantiles = (0.5, 0.9, 0.99)
+        if not callable(answer):
+            return False, f"give a function histogram_quantile(q, buckets), got {answer!r}"
+        for q in quantiles:
+            want = _hq(q, buckets)
+            try:
+                got = float(answer(q, [tuple(b) for b in buckets]))
+            except Exception as e:  # noqa: BLE001 - the learner's code
+                return False, f"histogram_quantile({q}, ...) raised {type(e).__name__}: {e}"
+            if not (math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(got) and math.isnan(want))):
+                return False, (
+                    f"histogram_quantile({q}) = {got:.6g}, Prometheus says {want:.6g}; interpolate inside the bucket "
+                    "the rank falls in, from the previous bucket's bound"
+                )
+        return True, f"matches Prometheus at q = {', '.join(map(str, quantiles))} on these buckets"
+
+
+def _fires_at(samples: list, threshold: float, for_s: float, interval_s: float):
+    import math
+
+    need = math.ceil(for_s / interval_s - 1e-9)
+    start = None
+    for i, v in enumerate(samples):
+        if v is not None and v > threshold:
+            start = i if start is None else start
+            if i - start >= need:
+                return i
+        else:
+            start = None
+    return None
+
+
+@_register(
+    "17.2",
+    "A rule `expr: waiting > threshold` with `for: for_s` is evaluated once per sample (every interval_s seconds). "
+    "At which sample index does it first fire? (an index into samples, or None if it never fires)",
+    "the alert goes pending at the first evaluation where the condition holds and fires at the first later "
+    "evaluation at least for_s after that; a false evaluation in between resets it.",
+)
+class _FiresAt:
+    @staticmethod
+    def solution(samples: list, threshold: float, for_s: float, interval_s: float):
+        return _fires_at(samples, threshold, for_s, interval_s)
+
+    @staticmethod
+    def judge(answer, samples: list, threshold: float, for_s: float, interval_s: float) -> tuple[bool, str]:
+        want = _fires_at(samples, threshold, for_s, interval_s)
+        if answer is None or want is None:
+            ok = answer is None and want is None
+            if ok:
+                return True, "None: the condition never holds for long enough"
+            if answer is None:
+                return False, f"it does fire: look for a run of samples above {threshold} lasting {for_s} s"
+            return False, f"it never fires: no run of samples above {threshold} lasts {for_s} s"
+        if isinstance(answer, bool) or not isinstance(answer, int):
+            return False, f"give a sample index (an int) or None, got {answer!r}"
+        if answer == want:
+            return True, f"sample {want}: pending at sample {want - math_ceil(for_s / interval_s)}, firing {for_s} s later"
+        first = next((i for i, v in enumerate(samples) if v is not None and v > threshold), None)
+        if answer == first:
+            return False, "that is where it goes pending; it fires only once the condition has held for for_s"
+        return False, f"{answer} is {'too late' if answer > want else 'too early'}"
+
+
+def math_ceil(x: float) -> int:
+    import math
+
+    return math.ceil(x - 1e-9)
 
 
 # ---------------------------------------------------------------- chapter 18: a performance regression baseline
-# (chapter 18's exercises go here)
+def _verdict18(baseline: list, new: list, higher_is_better: bool) -> str:
+    import statistics
+
+    ratio = statistics.median(new) / statistics.median(baseline)
+    if higher_is_better:
+        return "regressed" if ratio < 0.80 else "improved" if ratio > 1 / 0.80 else "ok"
+    return "regressed" if ratio > 1.20 else "improved" if ratio < 1 / 1.20 else "ok"
+
+
+@_register(
+    "18.1",
+    "Write verdict(baseline, new, higher_is_better) -> 'regressed' | 'improved' | 'ok' for one metric: baseline and "
+    "new are lists of repeats; compare their medians with the dashboard's limits (a latency regressed above 1.20x "
+    "the baseline, a throughput below 0.80x; improved beyond the inverse limits). The answer is the function.",
+    "ratio = median(new) / median(baseline); for a latency (higher_is_better False) above 1.20 is regressed, below "
+    "1/1.20 improved; for a throughput below 0.80 is regressed, above 1/0.80 improved.",
+)
+class _Verdict:
+    @staticmethod
+    def solution(cases: list):
+        return _verdict18
+
+    @staticmethod
+    def judge(answer, cases: list) -> tuple[bool, str]:
+        if not callable(answer):
+            return False, f"give a function verdict(baseline, new, higher_is_better), got {answer!r}"
+        for c in cases:
+            want = _verdict18(c["baseline"], c["new"], c["higher_is_better"])
+            try:
+                got = answer(list(c["baseline"]), list(c["new"]), c["higher_is_better"])
+            except Exception as e:  # noqa: BLE001 - the learner's code: any error is a wrong answer
+                return False, f"verdict raised {type(e).__name__}: {e} on {c}"
+            if got != want:
+                return False, (
+                    f"on baseline {c['baseline']}, new {c['new']}, higher_is_better={c['higher_is_better']}: got "
+                    f"{got!r}, want {want!r} (medians, not means: one outlier repeat must not move the verdict)"
+                )
+        return True, f"all {len(cases)} cases right: medians over repeats, limits 1.20x / 0.80x"
+
+
+def _regressed18(rows: list) -> set:
+    return {r["key"] for r in rows if r["gated"] and r["verdict"] == "regressed"}
+
+
+@_register(
+    "18.2",
+    "From this comparison's rows, which gated metrics regressed? (a set of metric keys, e.g. {'ttft_p50_s'})",
+    "look at the rows whose 'gated' is True and whose 'verdict' is 'regressed'; tail percentiles are not gated.",
+)
+class _WhichRegressed:
+    @staticmethod
+    def solution(rows: list) -> set:
+        return _regressed18(rows)
+
+    @staticmethod
+    def judge(answer, rows: list) -> tuple[bool, str]:
+        if isinstance(answer, str):
+            answer = {answer}
+        try:
+            got = {str(a) for a in answer}
+        except TypeError:
+            return False, f"give a set of metric keys, got {answer!r}"
+        labels = {r["metric"]: r["key"] for r in rows}
+        got = {labels.get(a, a) for a in got}  # a label ('TTFT median') counts as its key
+        keys = {r["key"] for r in rows}
+        if got - keys:
+            return False, f"{sorted(got - keys)} are not metrics of this report; its keys are {sorted(keys)}"
+        want = _regressed18(rows)
+        if got == want:
+            return True, f"{sorted(want)}: the gated metrics past their limit"
+        ungated = {r["key"] for r in rows if not r["gated"]} & got
+        if ungated:
+            return False, f"{sorted(ungated)} are tail percentiles: reported, not gated"
+        return False, f"not quite: {len(want)} gated metric(s) regressed; compare each ratio with its limit"
