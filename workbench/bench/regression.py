@@ -236,8 +236,12 @@ class RegressionReport:
                 },
                 hovertemplate="%{x}: %{y:.3f}x the baseline median<extra>" + verdict + "</extra>",
             )
-        for y, text in ((self.latency_limit, "latency limit"), (self.throughput_limit, "throughput limit")):
-            fig.add_hline(y=y, line_dash="dash", line_color="#555", annotation_text=f"{text} {y:.2f}x")
+        for y, text, where in (
+            (self.latency_limit, "latency limit", "top right"),
+            (self.throughput_limit, "throughput limit", "bottom right"),  # below its line: the two never overlap
+        ):
+            fig.add_hline(y=y, line_dash="dash", line_color="#555", annotation_text=f"{text} {y:.2f}x",
+                          annotation_position=where)  # fmt: skip
         fig.add_hline(y=1.0, line_color="#000", line_width=1)
         fig.update_layout(
             title={"text": f"New / baseline, median over repeats: {'PASSED' if self.passed else 'REGRESSED'}"},
