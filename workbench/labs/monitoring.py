@@ -1,0 +1,466 @@
+"""Chapter 17: monitoring and alerting with a real Prometheus, and an alert that acts on the server.
+
+What it drives (all real, all on 127.0.0.1, every process stopped by PID in :meth:`MonitoringStack.stop`, also
+when the notebook's kernel stops):
+
+- ``workbench serve --enable-admin-api`` (:class:`workbench.server.launcher.ServerProcess`): ``/metrics`` with the
+  ``vllm:`` names and ours (``workbench:``), and the admin actions an alert can call;
+- Debian's ``prometheus`` (:class:`workbench.server.prometheus.PrometheusProcess`), scraping it every half second
+  and evaluating the shipped alert rules (``deploy/prometheus/workbench_alerts.yml``) with their time windows
+  shortened for a demonstration (:func:`demo_rules`: minutes become seconds, thresholds unchanged);
+- the alert receiver (:class:`workbench.server.alert_receiver.AlertReceiver`) that Prometheus pushes firing alerts
+  to, and that calls the server's admin API (``WaitingQueueGrowing`` -> halve ``max_num_seqs``);
+- ``promtool check rules`` / ``promtool test rules`` on the shipped files (:func:`promtool`);
+- the Grafana dashboard's panel queries (``deploy/grafana/workbench_dashboard.json``) evaluated against the live
+  Prometheus (:func:`dashboard_rows`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from workbench.server.prometheus import ALERT_RULES
+from workbench.viz.table import Column, Table
+
+DEPLOY = ALERT_RULES.parents[1]  # the repository's deploy/
+RULE_TESTS = ALERT_RULES.with_name("workbench_alerts_test.yml")
+DASHBOARD = DEPLOY / "grafana" / "workbench_dashboard.json"
+_METRIC = re.compile(r"\b((?:vllm|workbench):[a-z_]+?)(?:_bucket|_sum|_count)?\b")
+#: the series the chapter's live plot follows: (PromQL, label, subplot row)
+LIVE_SERIES = (
+    ("sum(vllm:num_requests_waiting)", "waiting", 1),
+    ("sum(vllm:num_requests_running)", "running", 1),
+    ("max(vllm:kv_cache_usage_perc)", "KV cache usage (0..1)", 2),
+    ('count(ALERTS{alertstate="firing"}) or vector(0)', "alerts firing", 3),
+)
+
+
+# ---------------------------------------------------------------- the shipped rules
+def load_rules(path: str | Path = ALERT_RULES) -> list[dict[str, Any]]:
+    """The alerting rules of a Prometheus rules file, in file order (``alert``, ``expr``, ``for``, ``labels``,
+    ``annotations``).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: a file without ``groups``.
+    """
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text())
+    if not isinstance(doc, dict) or "groups" not in doc:
+        raise ValueError(f"{path} has no 'groups': not a Prometheus rules file")
+    return [r for g in doc["groups"] for r in g.get("rules", []) if "alert" in r]
+
+
+def metrics_read(expr: str) -> list[str]:
+    """The metric names an expression reads (``vllm:`` and ``workbench:``; histogram suffixes dropped)."""
+    return list(dict.fromkeys(_METRIC.findall(expr)))
+
+
+def rules_table(path: str | Path = ALERT_RULES, expr: bool = False) -> Table:
+    """Every shipped alert: the metrics it reads, how long it must hold, severity, and why (its ``description``);
+    with ``expr=True`` its PromQL expression instead of the metrics and the why (two tables fit a laptop's
+    notebook column where one would run off its side)."""
+    rows = [
+        {
+            "alert": r["alert"],
+            "reads": ", ".join(metrics_read(r["expr"])),
+            "expr": " ".join(r["expr"].split()),
+            "for": r.get("for", "0s"),
+            "severity": r.get("labels", {}).get("severity", "-"),
+            "why": r.get("annotations", {}).get("description", ""),
+        }
+        for r in load_rules(path)
+    ]
+    middle = (
+        [Column("expr", "expression (PromQL)", align="left", prose=True)]
+        if expr
+        else [Column("reads", "metric(s) it reads", align="left")]
+    )
+    last = [] if expr else [Column("why", "why this threshold (its description)", align="left", prose=True)]
+    return Table(
+        [
+            Column("alert", "alert", align="left"),
+            *middle,
+            Column("for", "for"),
+            Column("severity", "severity", align="left"),
+            *last,
+        ],  # fmt: skip
+        rows,
+    )
+
+
+def promtool(*args: str, timeout: float = 120.0) -> tuple[int, str]:
+    """Run ``promtool`` (it comes with Debian's ``prometheus`` package) in the repository's root, so that paths
+    such as ``deploy/prometheus/workbench_alerts.yml`` read the same on every machine; return its exit code and
+    output.
+
+    Raises:
+        FileNotFoundError: no ``promtool`` on PATH (``apt-get install prometheus``).
+    """
+    binary = shutil.which("promtool")
+    if binary is None:
+        raise FileNotFoundError("no promtool on PATH: apt-get install prometheus (it ships promtool)")
+    p = subprocess.run([binary, *args], capture_output=True, text=True, timeout=timeout, cwd=DEPLOY.parent)
+    return p.returncode, (p.stdout + p.stderr).strip()
+
+
+def _seconds(duration: str) -> float:
+    units = {"ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400}
+    total = 0.0
+    for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", duration):
+        total += float(n) * units[u]
+    return total
+
+
+def demo_rules(
+    out: str | Path, scale: float = 1 / 40, min_window_s: float = 4.0, path: str | Path = ALERT_RULES
+) -> Path:
+    """Write a copy of the shipped rules whose time windows are ``scale`` times as long — every ``for:`` and every
+    range selector (``[5m]`` -> ``[8s]`` at 1/40, never under ``min_window_s``) — so that a minutes-long condition
+    shows within a notebook cell. Expressions and thresholds stay as shipped.
+
+    Returns:
+        the path written.
+    """
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text())
+
+    def short(d: str) -> str:
+        return f"{round(max(min_window_s, _seconds(d) * scale))}s"
+
+    for g in doc["groups"]:
+        g["name"] = g["name"] + "-demo"
+        for r in g["rules"]:
+            if "for" in r:
+                r["for"] = short(r["for"])
+            r["expr"] = re.sub(r"\[(\d+[smhd])\]", lambda m: f"[{short(m.group(1))}]", r["expr"])
+    out = Path(out)
+    out.write_text(yaml.safe_dump(doc, sort_keys=False, width=120))
+    return out
+
+
+def demo_rules_table(path: str | Path) -> Table:
+    """The demo copy's alerts: expression and ``for``, side by side with nothing else (to compare with the shipped)."""
+    rows = [
+        {"alert": r["alert"], "expr": " ".join(r["expr"].split()), "for": r.get("for", "0s")} for r in load_rules(path)
+    ]
+    return Table(
+        [
+            Column("alert", "alert", align="left"),
+            Column("expr", "expression", align="left", prose=True),
+            Column("for", "for"),
+        ],  # fmt: skip
+        rows,
+    )
+
+
+# ---------------------------------------------------------------- the stack
+def _call(url: str, method: str = "GET", body: dict | None = None) -> dict:
+    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode())
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+class MonitoringStack:
+    """A server, an alert receiver and Prometheus, started together and stopped together.
+
+    Args:
+        rule_files: the rules Prometheus evaluates (e.g. :func:`demo_rules`' output).
+        actions: the receiver's ``{alertname: action}`` (default: ``WaitingQueueGrowing`` lowers admission).
+        scrape_interval: seconds between scrapes and rule evaluations.
+        cooldown_s: the receiver acts on an alert name at most once per this many seconds.
+        **engine_args: the server's engine arguments (e.g. ``max_num_seqs=4``).
+
+    Raises:
+        RuntimeError / FileNotFoundError: (on :meth:`start`) what the parts raise; whatever started is stopped.
+    """
+
+    def __init__(
+        self,
+        rule_files: Sequence[str | Path],
+        actions: dict[str, str] | None = None,
+        scrape_interval: float = 0.5,
+        cooldown_s: float = 600.0,
+        **engine_args: Any,
+    ) -> None:
+        self.rule_files, self.scrape_interval, self.cooldown_s = list(rule_files), scrape_interval, cooldown_s
+        self.actions = {"WaitingQueueGrowing": "lower_admission"} if actions is None else dict(actions)
+        self.engine_args = engine_args
+        self.server = self.receiver = self.prometheus = None
+        self._finalizer = None
+
+    def start(self) -> MonitoringStack:
+        from workbench.server.alert_receiver import AlertReceiver
+        from workbench.server.launcher import ServerProcess
+        from workbench.server.prometheus import PrometheusProcess
+
+        try:
+            self.server = ServerProcess(threads=1, extra_args=["--enable-admin-api"], **self.engine_args).start()
+            self.receiver = AlertReceiver(self.server.base_url, actions=self.actions, cooldown_s=self.cooldown_s)
+            self.receiver.start()
+            self.prometheus = PrometheusProcess(
+                [self.server.base_url], rule_files=self.rule_files, scrape_interval=self.scrape_interval,
+                alertmanager=self.receiver.address,
+            ).start()  # fmt: skip
+            self.prometheus.wait_for_scrape()
+        except BaseException:
+            self.stop()
+            raise
+        # the kernel may stop (or a later cell fail) before the stop cell: stop the processes then too
+        self._finalizer = weakref.finalize(self, _stop_all, self.server, self.receiver, self.prometheus)
+        return self
+
+    def stop(self) -> None:
+        """Stop Prometheus, the receiver and the server (idempotent)."""
+        _stop_all(self.server, self.receiver, self.prometheus)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def __enter__(self) -> MonitoringStack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def admin_state(self) -> dict[str, Any]:
+        """The server's ``GET /admin/state`` (``max_num_seqs`` now and as configured, compaction counters, ...)."""
+        return _call(self.server.base_url + "/admin/state")
+
+    def pids(self) -> dict[str, int | None]:
+        return {"server": self.server.pid if self.server else None,
+                "prometheus": self.prometheus.proc.pid if self.prometheus and self.prometheus.proc else None}  # fmt: skip
+
+
+def _stop_all(server, receiver, prometheus) -> None:
+    for part in (prometheus, receiver, server):
+        if part is not None:
+            try:
+                part.stop()
+            except Exception:  # noqa: BLE001 - stopping the rest matters more than one part's error
+                pass
+
+
+# ---------------------------------------------------------------- load and the live plot
+class Overload:
+    """``workbench bench serve`` against the stack's server in a background thread (:meth:`start`), at a request
+    rate above what the server completes, so that its waiting queue grows; :attr:`result` is vLLM's result dict
+    once :meth:`join` returns."""
+
+    def __init__(self, stack: MonitoringStack, num_prompts: int = 40, request_rate: float = 6.0, **bench_args: Any):
+        self.stack, self.result, self.error = stack, None, None
+        self.args = dict(num_prompts=num_prompts, request_rate=request_rate, dataset_name="random",
+                         random_input_len=32, random_output_len=16, seed=0, disable_tqdm=True,
+                         print_result=False) | bench_args  # fmt: skip
+        self.thread = threading.Thread(target=self._run, name="overload", daemon=True)
+
+    def _run(self) -> None:
+        from workbench.bench.serve import run_bench_serve
+
+        try:
+            self.result = run_bench_serve(base_url=self.stack.server.base_url, **self.args)
+        except Exception as e:  # noqa: BLE001 - shown by join()
+            self.error = e
+
+    def start(self) -> Overload:
+        self.started_at = time.time()
+        self.thread.start()
+        return self
+
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the load to end; its result. Raises what the load raised."""
+        self.thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _mark(fig: go.Figure, x: float, text: str) -> None:
+    """A dashed vertical line across all subplots at ``x`` with a label on top (``add_vline`` fails on a
+    FigureWidget with subplots)."""
+    fig.add_shape(type="line", x0=x, x1=x, xref="x", yref="paper", y0=0, y1=1,
+                  line={"color": "red", "dash": "dash", "width": 1.5})  # fmt: skip
+    fig.add_annotation(x=x, xref="x", yref="paper", y=1.0, yanchor="top", xanchor="left", text=text,
+                       showarrow=False, font={"color": "red"}, bgcolor="rgba(255,255,255,0.8)")  # fmt: skip
+
+
+class LivePlot:
+    """A plotly ``FigureWidget`` fed by instant queries to Prometheus' HTTP API (:data:`LIVE_SERIES`), one point
+    per :meth:`poll`, with the receiver's actions and the server's ``max_num_seqs`` marked as they happen.
+
+    Raises:
+        ImportError: ipywidgets / anywidget missing.
+    """
+
+    def __init__(self, stack: MonitoringStack):
+        self.stack = stack
+        self.t0 = time.time()
+        self.samples: list[dict[str, Any]] = []
+        fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                            subplot_titles=("requests", "KV cache usage", "alerts firing / max_num_seqs"))  # fmt: skip
+        self.figure = go.FigureWidget(fig)
+        for _, label, row in LIVE_SERIES:
+            self.figure.add_scatter(x=[], y=[], mode="lines", name=label, row=row, col=1)
+        self.figure.add_scatter(x=[], y=[], mode="lines", name="max_num_seqs (server)", line={"dash": "dot"},
+                                row=3, col=1)  # fmt: skip
+        self.figure.update_layout(height=660,
+                                  title={"text": "The server through Prometheus, live (instant queries, 1 s)",
+                                         "y": 0.98, "yanchor": "top"},
+                                  hovermode="x unified", margin={"t": 140},
+                                  legend={"orientation": "h", "y": 1.08, "yanchor": "bottom", "x": 0})  # fmt: skip
+        self.figure.update_xaxes(title="seconds since the load started", row=3, col=1)
+        self.figure.update_yaxes(rangemode="tozero")
+        self._marked: set[int] = set()
+        self.actions: list[dict[str, Any]] = []
+
+    def poll(self) -> dict[str, Any]:
+        """One instant query per series now; append to the figure; mark new receiver actions."""
+        t = time.time() - self.t0
+        prom = self.stack.prometheus
+        sample = {"t": t}
+        for expr, label, _ in LIVE_SERIES:
+            res = prom.query(expr)
+            sample[label] = float(res[0]["value"][1]) if res else None
+        sample["max_num_seqs"] = self.stack.admin_state()["max_num_seqs"]
+        self.samples.append(sample)
+        with self.figure.batch_update():
+            for i, (_, label, _) in enumerate(LIVE_SERIES):
+                tr = self.figure.data[i]
+                tr.x, tr.y = (*tr.x, t), (*tr.y, sample[label])
+            tr = self.figure.data[len(LIVE_SERIES)]
+            tr.x, tr.y = (*tr.x, t), (*tr.y, sample["max_num_seqs"])
+        for k, a in enumerate(self.stack.receiver.actions_taken()):
+            if k not in self._marked:
+                self._marked.add(k)
+                self.actions.append({"t": a["time"] - self.t0, **a})
+                _mark(self.figure, a["time"] - self.t0, f"{a['alertname']} → {a['action']}")
+        return sample
+
+    def follow(self, load: Overload, interval: float = 1.0, after_s: float = 5.0, limit_s: float = 240.0) -> None:
+        """Poll every ``interval`` seconds while the load runs, then ``after_s`` more (at most ``limit_s`` in all)."""
+        end = None
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            self.poll()
+            if end is None and not load.running():
+                end = time.monotonic() + after_s
+            if end is not None and time.monotonic() >= end:
+                break
+            time.sleep(interval)
+
+
+def actions_table(live: LivePlot) -> Table:
+    """What the receiver received and did during the live run: every alert event (firing or resolved) with the
+    seconds since the load started, the action run and its result."""
+    rows = []
+    for e in live.stack.receiver.events:
+        res = e.get("result") or {}
+        if "max_num_seqs" in res:
+            what = f"max_num_seqs {res['previous']} → {res['max_num_seqs']}"
+        elif res:
+            what = ", ".join(f"{k}={v}" for k, v in res.items())
+        else:
+            what = e.get("error", "")
+        rows.append({"t": e["time"] - live.t0, "alert": e["alertname"], "state": "firing" if e["firing"] else "resolved",
+                     "action": e["action"] or "— (cooldown or none mapped)", "result": what})  # fmt: skip
+    return Table(
+        [
+            Column("t", "s since load start", fmt=lambda v: f"{v:.1f}"),
+            Column("alert", "alert", align="left"),
+            Column("state", "state", align="left"),
+            Column("action", "action", align="left", prose=True),
+            Column("result", "result", align="left", prose=True),
+        ],  # fmt: skip
+        rows,
+    )
+
+
+def range_figure(stack: MonitoringStack, start: float, end: float, step: float = 1.0) -> go.Figure:
+    """The whole run afterwards, from ``query_range``: waiting and running requests, TTFT p99 over the demo window
+    against the 500 ms SLO, and which alerts fired when (``ALERTS``)."""
+    prom = stack.prometheus
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("requests", "TTFT p99 (s), 10 s window", "alerts while firing"))  # fmt: skip
+    for expr, name, row in (
+        ("sum(vllm:num_requests_waiting)", "waiting", 1),
+        ("sum(vllm:num_requests_running)", "running", 1),
+        ("histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[10s])))", "TTFT p99", 2),
+    ):
+        for s in prom.query_range(expr, start, end, step):
+            fig.add_scatter(x=[float(t) - start for t, _ in s["values"]], y=[float(v) for _, v in s["values"]],
+                            mode="lines", name=name, row=row, col=1)  # fmt: skip
+    fig.add_hline(y=0.5, row=2, col=1, line={"dash": "dot", "color": "grey"}, annotation_text="SLO 500 ms")
+    for s in prom.query_range('ALERTS{alertstate="firing"}', start, end, step):
+        name = s["metric"].get("alertname", "?")
+        fig.add_scatter(x=[float(t) - start for t, _ in s["values"]], y=[name for _ in s["values"]],
+                        mode="markers", name=name, row=3, col=1)  # fmt: skip
+    fig.update_layout(height=620, title={"text": "The run, from Prometheus' query_range", "y": 0.98, "yanchor": "top"},
+                      hovermode="x unified", margin={"t": 120, "l": 150},
+                      legend={"orientation": "h", "y": 1.06, "yanchor": "bottom", "x": 0})  # fmt: skip
+    fig.update_xaxes(title="seconds since the load started", row=3, col=1)
+    return fig
+
+
+# ---------------------------------------------------------------- the dashboard
+def dashboard_rows(stack: MonitoringStack, path: str | Path = DASHBOARD) -> list[dict[str, Any]]:
+    """Every query of the Grafana dashboard evaluated now against the live Prometheus: panel, expression, the
+    number of series it returns (``$__rate_interval`` as Grafana would expand it for this scrape interval)."""
+    d = json.loads(Path(path).read_text())
+    rows = []
+    for p in d.get("panels", []):
+        for t in p.get("targets", []):
+            expr = " ".join(t["expr"].replace("$__rate_interval", "30s").replace("$model_name", ".*").split())
+            try:
+                n, err = len(stack.prometheus.query(expr)), ""
+            except RuntimeError as e:
+                n, err = None, str(e)[:120]
+            rows.append({"panel": p["title"], "expr": expr, "series": n, "error": err})
+    return rows
+
+
+def dashboard_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`dashboard_rows` as a table (the query as evaluated; an error column only when a query failed)."""
+    cols = [
+        Column("panel", "panel", align="left", prose=True),
+        Column("expr", "query (rate interval 30 s)", align="left", prose=True),
+        Column("series", "series"),
+    ]
+    if any(r["error"] for r in rows):
+        cols.append(Column("error", "error", align="left", prose=True))
+    return Table(cols, list(rows))
+
+
+# ---------------------------------------------------------------- exercise contexts from the run
+def ttft_buckets(stack: MonitoringStack) -> list[tuple[float, float]]:
+    """The server's TTFT histogram now, from Prometheus: cumulative ``(le, count)`` pairs, ``+Inf`` last."""
+    res = stack.prometheus.query("sum by (le) (vllm:time_to_first_token_seconds_bucket)")
+    pairs = [(float(r["metric"]["le"]), float(r["value"][1])) for r in res]
+    return sorted(pairs)
+
+
+def waiting_samples(live: LivePlot) -> list[float]:
+    """The waiting-queue values the live plot polled, one per second."""
+    return [s["waiting"] or 0.0 for s in live.samples]
+
+
+def tmp_rules_dir() -> tempfile.TemporaryDirectory:
+    """A temporary folder for the demo rules (removed when the object is cleaned up or collected)."""
+    return tempfile.TemporaryDirectory(prefix="wb-ch17-")
