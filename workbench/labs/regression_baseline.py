@@ -98,7 +98,7 @@ def record_repeats(
     job = JOB | (job or {})
     t0 = time.perf_counter()
     engines = {name: LLM(**args) for name, args in sides.items()}
-    for name, llm in engines.items():  # warm-up, not kept: one request (it also warms the prefix cache)
+    for llm in engines.values():  # warm-up, not kept: one request (it also warms the prefix cache)
         run_job(**(job | {"num_prompts": 1}), llm=llm, output_dir=None)
     folders: dict[str, list[Path]] = {name: [] for name in sides}
     order = []
