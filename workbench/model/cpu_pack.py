@@ -26,13 +26,17 @@ PACK_BATCH_HINT = 64
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether :func:`prepack_linears` applies: bfloat16 on a CPU, with PyTorch's oneDNN ops present."""
+    """Whether :func:`prepack_linears` applies: bfloat16 on a CPU, with PyTorch's oneDNN ops present and oneDNN's
+    bfloat16 path supported by this CPU (it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU the reorder
+    raises, and ``F.linear`` runs bfloat16 emulated instead)."""
+    mkldnn = torch.ops.mkldnn
     return (
         dtype == torch.bfloat16
         and torch.device(device).type == "cpu"
         and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_linear_pointwise")
+        and (not hasattr(mkldnn, "_is_mkldnn_bf16_supported") or bool(mkldnn._is_mkldnn_bf16_supported()))
     )
 
 
