@@ -110,8 +110,12 @@ def test_the_cli_exit_codes_the_report_and_the_inputs(tmp_path):
         ('{"foo": 1}', (), r"new.json: a result with neither 'request_throughput'"),
         ("not json\n", (), "neither JSON nor JSON Lines"),
         ("[]", (), "holds no result objects"),
-        (None, ("--latency-threshold", "0.9"), "latency_limit=0.9 must be > 1"),
-        (None, ("--throughput-threshold", "1.5"), r"throughput_limit=1.5 must be in \(0, 1\)"),
+        (None, ("--latency-threshold", "0.9"), r"latency_limit=0.9 \(--latency-threshold\) must be > 1"),
+        (
+            None,
+            ("--throughput-threshold", "1.5"),
+            r"throughput_limit=1.5 \(--throughput-threshold\) must be in \(0, 1\)",
+        ),
         ('{"output_throughput_tok_s": 5.0}', (), "different kinds"),
     ],
 )
@@ -130,6 +134,26 @@ def test_a_missing_path_and_mixed_kinds_in_one_side(tmp_path):
     mixed.write_text(json.dumps(serve_result()) + "\n" + json.dumps({"output_throughput_tok_s": 1.0}))
     with pytest.raises(ValueError, match="mixed"):
         load_results(mixed)
+
+
+def test_an_unfinished_run_folder_is_refused_and_a_missing_metric_is_named(tmp_path):
+    side = tmp_path / "base"
+    for i in range(2):  # two finished runs and one that stopped before its summary
+        (side / f"r{i}").mkdir(parents=True)
+        (side / f"r{i}" / "summary.json").write_text(json.dumps({"output_throughput_tok_s": 10.0, "ttft_p50_s": 0.1}))
+    (side / "killed").mkdir()
+    (side / "killed" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"base/\{killed\}: a run folder without summary.json"):
+        load_results(side)
+    r = invoke(side, side)
+    assert r.exit_code == 2 and "did not finish" in r.output
+    sparse = tmp_path / "sparse.json"
+    sparse.write_text(json.dumps({"request_throughput": 1.0}))
+    report = compare_results(load_results(sparse), load_results(sparse))
+    assert report.passed and any("output_throughput" in w and "not compared" in w for w in report.warnings)
+    assert "not compared" in str(report.table())
+    with pytest.raises(ValueError, match="no gated metric is present"):  # a baseline of 0: no ratio anywhere
+        compare_results([{"request_throughput": 0.0}], [{"request_throughput": 1.0}])
 
 
 @pytest.mark.slow

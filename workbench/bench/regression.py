@@ -106,10 +106,22 @@ def metrics_of(result: dict[str, Any]) -> list[Metric]:
     )
 
 
+def _unfinished_run(path: Path) -> bool:
+    """A ``workbench run`` folder (it has ``config.json`` or ``steps.jsonl``) that never wrote its ``summary.json``."""
+    return not (path / "summary.json").is_file() and any((path / f).is_file() for f in ("config.json", "steps.jsonl"))
+
+
 def _results_in(path: Path) -> list[dict[str, Any]]:
     if path.is_dir():
         if (path / "summary.json").is_file():  # a run folder
             return _results_in(path / "summary.json")
+        unfinished = sorted(p.name for p in path.iterdir() if p.is_dir() and _unfinished_run(p))
+        if _unfinished_run(path) or unfinished:
+            where = path if _unfinished_run(path) else f"{path}/{{{', '.join(unfinished)}}}"
+            raise ValueError(
+                f"{where}: a run folder without summary.json (the run did not finish); rerun it or remove the folder, "
+                "so that every repeat recorded is compared"
+            )
         found = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") or (p / "summary.json").is_file())
         if not found:
             raise ValueError(f"{path} holds no result: give bench serve JSON files or workbench run folders")
@@ -314,9 +326,15 @@ def compare_results(
     if not baseline or not new:
         raise ValueError(f"baseline has {len(baseline)} result(s) and new {len(new)}: each side needs at least one")
     if not latency_limit > 1:
-        raise ValueError(f"latency_limit={latency_limit} must be > 1 (e.g. 1.2: regressed above 1.2x the baseline)")
+        raise ValueError(
+            f"latency_limit={latency_limit} (--latency-threshold) must be > 1 (e.g. 1.2: regressed above 1.2x the "
+            "baseline)"
+        )
     if not 0 < throughput_limit < 1:
-        raise ValueError(f"throughput_limit={throughput_limit} must be in (0, 1) (e.g. 0.8: regressed below 0.8x)")
+        raise ValueError(
+            f"throughput_limit={throughput_limit} (--throughput-threshold) must be in (0, 1) (e.g. 0.8: regressed "
+            "below 0.8x)"
+        )
     metrics = metrics_of(baseline[0])
     if metrics_of(new[0])[0].key != metrics[0].key:
         raise ValueError("baseline and new are results of different kinds (bench serve vs workbench run); compare like")
@@ -343,16 +361,27 @@ def compare_results(
                 "verdict": _verdict(m, ratio, latency_limit, throughput_limit),
             }
         )
-    warnings = []
+    compared = [r for r in rows if r["gated"] and r["ratio"] is not None]
+    if not compared:
+        raise ValueError(
+            "no gated metric is present (and non-zero) on both sides, so there is nothing to gate on; give complete "
+            "results (bench serve --save-result files or workbench run folders)"
+        )
+    warnings = [
+        f"{r['metric']} ({r['key']}) is missing on one side or 0 in the baseline: not compared"
+        for r in rows
+        if r["gated"] and r["ratio"] is None
+    ]
     for k in WORKLOAD_KEYS:
         bv, nv = {json.dumps(r.get(k)) for r in baseline}, {json.dumps(r.get(k)) for r in new}
         if bv != nv:
             warnings.append(
                 f"the workloads differ in {k}: baseline {', '.join(sorted(bv))}, new {', '.join(sorted(nv))}"
             )
-    if warnings and not allow_workload_mismatch:
+    mismatched = [w for w in warnings if w.startswith("the workloads differ")]
+    if mismatched and not allow_workload_mismatch:
         raise ValueError(
-            "; ".join(warnings) + ": the ratios would not measure the change alone; rerun on the same workload, or "
+            "; ".join(mismatched) + ": the ratios would not measure the change alone; rerun on the same workload, or "
             "give --allow-workload-mismatch (allow_workload_mismatch=True) to compare anyway"
         )
     return RegressionReport(rows, latency_limit, throughput_limit, len(baseline), len(new), warnings)
