@@ -122,3 +122,18 @@ def test_an_overload_fires_the_demo_alert_and_the_receiver_lowers_admission(tmp_
     finally:
         stack.stop()
     assert not any(_alive(p) for p in pids.values()), pids
+
+
+@needs_prometheus  # the check asks for the binary first
+def test_the_stack_refuses_what_it_can_before_starting_anything(tmp_path):
+    demo = mon.demo_rules(tmp_path / "demo.yml", scale=1 / 100)
+    stack = mon.MonitoringStack([demo], actions={"KVFragmentationHihg": "compact"})  # a typo: would never act
+    with pytest.raises(ValueError, match=r"actions for \['KVFragmentationHihg'\], which no rule file defines"):
+        stack.start()
+    assert stack.server is None  # nothing was started
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        mon.MonitoringStack([tmp_path / "nope.yml"]).start()
+    for bad in (0, -1, 2, "1/100"):
+        with pytest.raises(ValueError, match="scale="):
+            mon.demo_rules(tmp_path / "x.yml", scale=bad)
+    assert all(r["annotations"]["description"].startswith("[demo copy") for r in mon.load_rules(demo))

@@ -19,6 +19,7 @@ case-study``); the chapter's replays are minutes long.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -86,8 +87,12 @@ def case_trace(rate: float, duration_s: float, *, seed: int = 0, output_scale: f
     """
     from workbench.sim import make_trace
 
-    if not output_scale > 0:
-        raise ValueError(f"output_scale={output_scale} must be > 0 (1.0 = no drift)")
+    if isinstance(output_scale, bool) or not isinstance(output_scale, (int, float)) or not output_scale > 0:
+        raise ValueError(f"output_scale={output_scale!r} must be a number > 0 (1.0 = no drift)")
+    if not 0 <= drift_at_s < duration_s:
+        raise ValueError(
+            f"drift_at_s={drift_at_s!r} must lie in [0, duration_s={duration_s!r}) seconds: later, no request drifts"
+        )
     trace = make_trace(rate, duration_s, "sharegpt", "poisson", seed)
     if output_scale == 1.0:
         return trace
@@ -166,8 +171,11 @@ def replay(
     """
     from workbench.sim.run import simulate_job
 
-    if not rate > 0 or not duration_s > 0:
-        raise ValueError(f"rate={rate} req/s and duration_s={duration_s} must both be > 0")
+    for name, v in (("rate", rate), ("duration_s", duration_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"{name}={v!r} must be a finite number > 0 ({'req/s' if name == 'rate' else 'seconds'})")
+    if nccl_nchannels is not None and (not isinstance(nccl_nchannels, int) or nccl_nchannels < 1):
+        raise ValueError(f"nccl_nchannels={nccl_nchannels!r} must be a whole number of channels >= 1 (None: NCCL's default)")
     args = {"gpu_memory_utilization": CASE["gpu_memory_utilization"], "max_num_seqs": CASE["max_num_seqs"]}
     args |= engine_args
     trace = case_trace(rate, duration_s, seed=seed, output_scale=output_scale, drift_at_s=drift_at_s)
@@ -593,8 +601,9 @@ class CaseStudyPanel(_Panel):
     def _describe(self, values, run: CaseRun) -> str:
         unused = statistics.fmean(r["unused_gib"] for r in unused_rows(run))
         last = arrival_windows(run)[-1]
+        which = "after the first window" if len(arrival_windows(run)) > 1 else "one window only: lengthen duration_s"
         return (
-            f"{run.label}: finished {capacity_req_s(run):.2f} req/s (after the first window), TTFT p50 "
+            f"{run.label}: finished {capacity_req_s(run):.2f} req/s ({which}), TTFT p50 "
             f"{_ms(last['ttft_p50_s'])} and {last['waiting']:,.0f} waiting in the last window, at most "
             f"{run.extra['max_running']} running, step {last['step_ms']:.0f} ms, "
             f"{run.summary['preemptions_total']} preemptions, KV pool {run.memory['kv_pool_bytes'] / GiB:,.1f} GiB "

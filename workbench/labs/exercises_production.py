@@ -13,7 +13,7 @@ def _gib_unused(budget: dict, kv_utilization: float) -> float:
 
 
 @_register(
-    "15.1",
+    "15.3",
     "How many GiB of one GPU's KV pool are allocated but unused at this KV utilization? (a number in GiB)",
     "the pool is preallocated at startup (kv_pool_bytes); KV utilization is token states / pool slots, so the "
     "rest of the pool holds no token state — free blocks and the empty slots of used ones.",
@@ -49,7 +49,7 @@ def _queue_after(rate: float, capacity: float, seconds: float) -> float:
 
 
 @_register(
-    "15.2",
+    "15.1",
     "Requests arrive at `rate` req/s and the server completes `capacity` req/s. How many requests are waiting "
     "after `seconds` seconds, starting from an empty queue? (a number of requests)",
     "every second, rate requests arrive and capacity leave; the difference piles up in the waiting queue "
@@ -87,7 +87,7 @@ def _can_both(rows: list) -> set:
 
 
 @_register(
-    "15.3",
+    "15.2",
     "From the hypothesis table's measurements, which hypotheses can produce both symptoms — TTFT rising and "
     "fewer requests finishing per second? (a set of the hypothesis names, e.g. {'preemption'})",
     "a mechanism explains the report only if its replay shows both; one that shows neither, or only one, or "

@@ -8,7 +8,7 @@
   achieved throughput and TTFT per rate as each rate finishes, and the server's waiting / running queue polled
   from ``/metrics`` while the load runs;
 - :func:`knee`, :func:`request_tpots`, :func:`goodput_fraction` — the rules the exercises check;
-- tables (:func:`sweep_table`, :func:`burst_table`, :func:`config_table`) and figures.
+- tables (:func:`sweep_table`, :func:`compare_table`) and figures.
 
 Numbers here are seconds and milliseconds measured on whatever CPU runs the notebook: they vary run to run.
 """
@@ -61,7 +61,12 @@ def start_server(**engine_args: Any):
 
     srv = ServerProcess(**(SERVER_DEFAULTS | engine_args))
     _SERVERS.append(srv)  # registered before it starts: stop_all / atexit stop it even if start fails half-way
-    srv.start()
+    try:
+        srv.start()
+    except BaseException:
+        _SERVERS.remove(srv)  # start() already stopped what it had started; stop_all counts running servers only
+        srv.stop()
+        raise
     return srv
 
 

@@ -138,6 +138,10 @@ def demo_rules(
     """
     import yaml
 
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+        raise ValueError(f"scale={scale!r} must be in (0, 1]: the windows' factor (1/100 turns 10m into 6s)")
+    if not min_window_s > 0:
+        raise ValueError(f"min_window_s={min_window_s!r} must be > 0 seconds")
     doc = yaml.safe_load(Path(path).read_text())
 
     def short(d: str) -> str:
@@ -148,6 +152,9 @@ def demo_rules(
         for r in g["rules"]:
             if "for" in r:
                 r["for"] = short(r["for"])
+            notes = r.get("annotations") or {}
+            if "description" in notes:  # the shipped text speaks of minutes: say which windows this copy uses
+                notes["description"] = f"[demo copy: time windows x{scale:.3g}] " + notes["description"]
             r["expr"] = re.sub(r"\[(\d+[smhd])\]", lambda m: f"[{short(m.group(1))}]", r["expr"])
     out = Path(out)
     out.write_text(yaml.safe_dump(doc, sort_keys=False, width=120))
@@ -210,6 +217,7 @@ class MonitoringStack:
         from workbench.server.launcher import ServerProcess
         from workbench.server.prometheus import PrometheusProcess
 
+        self.check()  # before the server's 10-20 s start: what can be refused now is refused now
         try:
             self.server = ServerProcess(threads=1, extra_args=["--enable-admin-api"], **self.engine_args).start()
             self.receiver = AlertReceiver(self.server.base_url, actions=self.actions, cooldown_s=self.cooldown_s)
@@ -225,6 +233,33 @@ class MonitoringStack:
         # the kernel may stop (or a later cell fail) before the stop cell: stop the processes then too
         self._finalizer = weakref.finalize(self, _stop_all, self.server, self.receiver, self.prometheus)
         return self
+
+    def check(self) -> None:
+        """What :meth:`start` would fail on later, checked before anything starts.
+
+        Raises:
+            FileNotFoundError: no prometheus binary (``apt-get install prometheus``), or a rule file that does not
+                exist.
+            ValueError: a rule file that is not a rules file, a bad scrape interval, or an action for an alert name
+                no rule file defines (a typo would never act).
+        """
+        from workbench.server.alert_receiver import ACTIONS
+        from workbench.server.prometheus import prometheus_binary
+
+        prometheus_binary()
+        if not self.scrape_interval >= 0.1:
+            raise ValueError(f"scrape_interval={self.scrape_interval!r} must be >= 0.1 seconds")
+        names = set()
+        for f in self.rule_files:
+            if not Path(f).is_file():
+                raise FileNotFoundError(f"rule file {f} does not exist")
+            names |= {r["alert"] for r in load_rules(f)}
+        unknown = sorted(set(self.actions) - names)
+        if unknown:
+            raise ValueError(f"actions for {unknown}, which no rule file defines; the alerts are {sorted(names)}")
+        bad = {k: v for k, v in self.actions.items() if v not in ACTIONS}
+        if bad:
+            raise ValueError(f"actions {bad}: each must be one of {', '.join(ACTIONS)}")
 
     def stop(self) -> None:
         """Stop Prometheus, the receiver and the server (idempotent)."""
@@ -356,6 +391,8 @@ class LivePlot:
 
     def follow(self, load: Overload, interval: float = 1.0, after_s: float = 5.0, limit_s: float = 240.0) -> None:
         """Poll every ``interval`` seconds while the load runs, then ``after_s`` more (at most ``limit_s`` in all)."""
+        if not self.samples:  # times count from the load's start, as the x axis says (not from the plot's creation)
+            self.t0 = getattr(load, "started_at", self.t0)
         end = None
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
@@ -369,7 +406,8 @@ class LivePlot:
 
 def actions_table(live: LivePlot) -> Table:
     """What the receiver received and did during the live run: every alert event (firing or resolved) with the
-    seconds since the load started, the action run and its result."""
+    seconds since the load started, the action run and its result. Prometheus re-sends active and recently
+    resolved alerts, so an alert can appear more than once; only a firing one is acted on, once per cooldown."""
     rows = []
     for e in live.stack.receiver.events:
         res = e.get("result") or {}
@@ -380,7 +418,8 @@ def actions_table(live: LivePlot) -> Table:
         else:
             what = e.get("error", "")
         rows.append({"t": e["time"] - live.t0, "alert": e["alertname"], "state": "firing" if e["firing"] else "resolved",
-                     "action": e["action"] or "— (cooldown or none mapped)", "result": what})  # fmt: skip
+                     "action": e["action"] or ("— (none mapped, or cooling down)" if e["firing"] else "—"),
+                     "result": what})  # fmt: skip
     return Table(
         [
             Column("t", "s since load start", fmt=lambda v: f"{v:.1f}"),

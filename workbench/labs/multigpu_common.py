@@ -189,8 +189,12 @@ class _Panel(RunButtonThread):
         return self._locked(values, {k: v for k, v in overrides.items() if _accepts(self.controls[k], v)})
 
     def _execute(self, values: dict[str, Any]):
-        with self._busy():
-            res = self._run(values)
+        try:
+            with self._busy():
+                res = self._run(values)
+        except Exception:
+            self.status_text = self.error or ""  # the plain-text status follows the widget's: the error, not the last run
+            raise
         self.result = res
         self.history.append((values, res))
         self.status_text = self._describe(values, res)
