@@ -56,7 +56,8 @@ def test_admin_state_compact_and_admission(server):
 
 def test_without_the_flag_there_is_no_admin_api():
     with ServerProcess(threads=1, max_model_len=128, max_num_seqs=2) as srv:
-        assert call(srv.base_url + "/admin/state")[0] == 404
+        status, err = call(srv.base_url + "/admin/state")
+        assert status == 404 and "--enable-admin-api" in err["error"]["message"]
 
 
 def test_the_receiver_acts_on_firing_alerts_once_per_cooldown(server):

@@ -71,7 +71,8 @@ def _get(exercise_id: str) -> Exercise:
     try:
         return EXERCISES[exercise_id]
     except KeyError:
-        raise KeyError(f"no exercise {exercise_id!r}; known: {', '.join(sorted(EXERCISES))}") from None
+        known = sorted(EXERCISES, key=lambda e: tuple(int(p) for p in e.split(".")))  # 2.1 before 10.1
+        raise KeyError(f"no exercise {exercise_id!r}; known: {', '.join(known)}") from None
 
 
 def check(exercise_id: str, answer: Any = ..., **context: Any) -> Verdict:

@@ -337,6 +337,12 @@ def build_app(
 
     if enable_admin_api:
         add_admin_routes(app, llm)
+    else:  # say why there is nothing here, rather than a bare 404
+
+        @app.api_route("/admin/{rest:path}", methods=["GET", "POST"])
+        async def _admin_off(rest: str):
+            msg = "the admin API is off: start workbench serve with --enable-admin-api to use /admin/" + rest
+            return JSONResponse(APIError(msg, 404).body(), status_code=404)
 
     @app.get("/health")
     async def health():
