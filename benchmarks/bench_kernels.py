@@ -41,7 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import kernels  # noqa: E402
+from workbench import kernels  # noqa: E402
 from workbench.attention import AttentionMetadata, DecodeGroup, torch_ref  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -188,7 +188,7 @@ def run_decode(args, dev: dict) -> list[dict]:
 
 def decode_one(args, dev: dict, bs: int, batch: int, ctx: int, nbytes: int) -> dict:
     """One decode configuration: single-pass, split-KV and the PyTorch reference, timed and compared."""
-    from kernels.paged_attention import DEFAULT_PARTITION_SIZE, paged_decode_attention, use_split_kv
+    from workbench.kernels.paged_attention import DEFAULT_PARTITION_SIZE, paged_decode_attention, use_split_kv
 
     interpret = args.interpret
     nh, nkv, d = args.num_heads, args.num_kv_heads, args.head_dim
@@ -242,7 +242,7 @@ def run_prefill(args, dev: dict) -> list[dict]:
 
 def prefill_one(args, dev: dict, batch: int, qlen: int, ctx: int, bs: int = 16) -> dict:
     """One prefill configuration: the Triton kernel and the PyTorch reference, timed and compared."""
-    from kernels.prefill_attention import paged_prefill_attention
+    from workbench.kernels.prefill_attention import paged_prefill_attention
 
     interpret = args.interpret
     device = "cpu" if interpret else "cuda"

@@ -11,9 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
 from tests.fixtures.lowest_first import LowestFirstKVManager
-from workbench import LLMEngine, SamplingParams
+from workbench import LLMEngine, SamplingParams, kernels
 from workbench.allocators.defrag import (
     Defragmenter,
     DefragPass,

@@ -17,12 +17,12 @@ import sys
 import pytest
 import torch
 
-import kernels
+from workbench import kernels
 
 if not kernels.triton_available():
     pytest.skip("Triton is not installed (pip install triton)", allow_module_level=True)
 
-from kernels.cache_ops import (  # noqa: E402
+from workbench.kernels.cache_ops import (  # noqa: E402
     copy_blocks,
     copy_blocks_ref,
     gather_blocks,
@@ -32,8 +32,8 @@ from kernels.cache_ops import (  # noqa: E402
     scatter_blocks,
     scatter_blocks_ref,
 )
-from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
+from workbench.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from workbench.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -245,10 +245,11 @@ def test_triton_interpret_env_mode_runs_the_kernels():
     """With TRITON_INTERPRET=1 set before Triton's first import (Triton's own switch), every kernel is
     interpreted; the wrappers accept it and refuse compiled launches."""
     code = """
-import torch, kernels
+import torch
+from workbench import kernels
 assert kernels.interpreter_forced()
-from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.runtime import process_interprets
+from workbench.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from workbench.kernels.runtime import process_interprets
 assert process_interprets()
 kc = torch.randn(4, 8, 1, 64); vc = torch.randn(4, 8, 1, 64)
 bt = torch.tensor([[2, 0, 3]]); lens = torch.tensor([20]); q = torch.randn(1, 3, 64)
@@ -263,6 +264,6 @@ print("ok")
 def test_kernels_compile_for_a_cuda_gpu():
     """The interpreter checks results, not compilation: compile every kernel to a cubin for sm_90 (H100/H200),
     without a GPU (Triton ships ptxas), in a process where Triton is in compiled mode."""
-    r = _run("from kernels.aot import main; main(['--arch', '90', '--dtype', 'fp16', '--head-dim', '64'])", {})
+    r = _run("from workbench.kernels.aot import main; main(['--arch', '90', '--dtype', 'fp16', '--head-dim', '64'])", {})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sm_90 fp16: 6 kernels compiled" in r.stdout

@@ -1,6 +1,6 @@
 """Layers point down, and no module imports itself back (ARCHITECTURE §2).
 
-Every module under ``workbench/`` (and the top-level ``kernels/`` package the attention backends
+Every module under ``workbench/`` (the Triton kernels of ``workbench/kernels/`` included)
 load) is parsed with :mod:`ast`; every ``import`` / ``from ... import``, at module level and inside
 functions alike, is an edge of the import graph among these modules (``from pkg import name`` goes
 to ``pkg.name`` when that is a module, else to ``pkg``). The implicit import of a module's parent
@@ -16,10 +16,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("workbench", "kernels")
+PACKAGES = ("workbench",)
 
-#: layer -> the top-level parts of ``workbench`` (a module or subpackage) it holds; ``kernels`` is the
-#: top-level Triton package, ``__init__`` the ``workbench`` facade. Lower numbers are lower layers;
+#: layer -> the top-level parts of ``workbench`` (a module or subpackage) it holds; ``kernels`` holds the
+#: Triton kernels, ``__init__`` the ``workbench`` facade. Lower numbers are lower layers;
 #: a module may import its own layer and below.
 LAYERS: dict[int, tuple[str, ...]] = {
     # plain data and the KV managers: the engine arguments, requests, sampling parameters, the
@@ -102,7 +102,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def layer_of(module: str) -> int:
     parts = module.split(".")
-    key = parts[0] if parts[0] == "kernels" else (parts[1] if len(parts) > 1 else "__init__")
+    key = parts[1] if len(parts) > 1 else "__init__"
     for layer, names in LAYERS.items():
         if key in names:
             return layer
@@ -151,7 +151,7 @@ def test_the_graph_is_read():
     assert "workbench.engine" in GRAPH["workbench"]  # the facade
     assert "workbench.model.parallel" in GRAPH["workbench.model.llama"]
     assert "workbench.viz.figures" in GRAPH["workbench.viz.report"]
-    assert "kernels" in GRAPH["workbench.attention.backend"]
+    assert "workbench.kernels" in GRAPH["workbench.attention.backend"]
 
 
 def test_every_module_has_a_layer():
@@ -181,3 +181,14 @@ def test_a_cycle_and_an_upward_import_are_caught():
     assert _cycles({"a": {"b"}, "b": set()}) == []
     assert layer_of("workbench.model.llama") > layer_of("workbench.config")
     assert layer_of("workbench.labs.tensor_parallel") > layer_of("workbench.engine")
+
+
+def test_no_top_level_package_but_workbench():
+    """The wheel ships ``workbench`` only: a top-level ``kernels/`` of ours shadowed Hugging Face's ``kernels``
+    distribution, which transformers (>= 5.25) requires and imports, and broke ``import transformers``."""
+    import tomllib
+
+    ours = [p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()]
+    assert ours == ["workbench"], f"top-level packages besides workbench: {ours}"
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["include"] == ["workbench*"]

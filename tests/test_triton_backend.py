@@ -12,8 +12,7 @@ import sys
 import pytest
 import torch
 
-import kernels
-from workbench import LLM, LLMEngine, SamplingParams
+from workbench import LLM, LLMEngine, SamplingParams, kernels
 from workbench.attention import AttentionMetadata, DecodeGroup, get_backend, resolve_backend, torch_ref
 from workbench.config import EngineConfig
 
@@ -58,7 +57,8 @@ def test_package_runs_without_triton(tiny_model):
     code = f"""
 import sys
 sys.modules["triton"] = None  # an import of triton now raises ImportError
-import kernels, kernels.reference, workbench.attention
+import workbench.kernels.reference, workbench.attention
+from workbench import kernels
 from workbench import LLM, SamplingParams
 from workbench.config import EngineConfig
 from workbench.engine import LLMEngine
@@ -73,7 +73,7 @@ try:
 except ValueError as e:
     assert "pip install triton" in str(e)
 try:
-    import kernels.paged_attention
+    import workbench.kernels.paged_attention
     raise SystemExit("no error")
 except ImportError as e:
     assert "pip install triton" in str(e)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+from workbench import kernels
 from workbench.attention import torch_ref
 
 from workbench.config import ATTENTION_BACKENDS as BACKEND_NAMES  # isort: skip  (declared in workbench.config)

@@ -13,9 +13,9 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from kernels import load_triton
 from workbench.allocators.moves import copy_rounds
 from workbench.attention.torch_ref import AttentionMetadata
+from workbench.kernels import load_triton
 
 
 @dataclass
@@ -47,7 +47,7 @@ class TritonBackend:
 
     def __init__(self, interpret: bool = False) -> None:
         load_triton()
-        from kernels import cache_ops, paged_attention, prefill_attention
+        from workbench.kernels import cache_ops, paged_attention, prefill_attention
 
         self._decode = paged_attention.paged_decode_attention
         self._prefill = prefill_attention.paged_prefill_attention
@@ -60,7 +60,7 @@ class TritonBackend:
         return f"TritonBackend(interpret={self.interpret})"
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
-        """:func:`kernels.cache_ops.reshape_and_cache` (same arguments as the reference ``write_kv``)."""
+        """:func:`workbench.kernels.cache_ops.reshape_and_cache` (same arguments as the reference ``write_kv``)."""
         self._cache.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, **self._mode)
 
     def layout(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> TritonLayout:
@@ -87,8 +87,8 @@ class TritonBackend:
 
     def paged_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Same contract as :func:`workbench.attention.torch_ref.paged_attention`: ``[num_tokens, num_heads,
-        head_dim]``; the decode rows by :func:`kernels.paged_attention.paged_decode_attention`, the rest by
-        :func:`kernels.prefill_attention.paged_prefill_attention` (new K/V must already be in the cache)."""
+        head_dim]``; the decode rows by :func:`workbench.kernels.paged_attention.paged_decode_attention`, the rest by
+        :func:`workbench.kernels.prefill_attention.paged_prefill_attention` (new K/V must already be in the cache)."""
         lay = self.layout(meta, k_cache.shape[1], q.device)
         out = torch.empty_like(q)
         nd = meta.num_decode

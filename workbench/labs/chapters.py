@@ -369,8 +369,8 @@ def kernel_vs_reference(seed: int = 0, num_seqs: int = 3, block_size: int = 16) 
     """
     import torch
 
-    from kernels.paged_attention import paged_decode_attention
-    from kernels.reference import paged_decode_attention_ref
+    from workbench.kernels.paged_attention import paged_decode_attention
+    from workbench.kernels.reference import paged_decode_attention_ref
 
     g = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, head_dim, num_blocks = 4, 2, 32, 16
@@ -580,10 +580,10 @@ def steps_table(steps: Sequence[dict[str, Any]], every: int = 5) -> Table:
 
 
 def print_kernel_loop() -> None:
-    """Print the key loop of the Triton decode kernel (``kernels/paged_attention.py``)."""
+    """Print the key loop of the Triton decode kernel (``workbench/kernels/paged_attention.py``)."""
     import inspect
 
-    from kernels import paged_attention
+    from workbench.kernels import paged_attention
 
     src = inspect.getsource(
         paged_attention._paged_decode_kernel.fn

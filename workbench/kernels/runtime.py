@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from kernels import load_triton
+from workbench.kernels import load_triton
 
 triton = load_triton()
 import triton.language as tl  # noqa: E402

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import load_triton, next_power_of_2
-from kernels.reference import paged_decode_attention_ref
-from kernels.runtime import launch, wants_interpreter
+from workbench.kernels import load_triton, next_power_of_2
+from workbench.kernels.reference import paged_decode_attention_ref
+from workbench.kernels.runtime import launch, wants_interpreter
 
 triton = load_triton()
 import triton.language as tl  # noqa: E402
@@ -281,7 +281,7 @@ def paged_decode_attention(
         partition_size: ``0`` = single pass (v1); ``> 0`` = split-KV with partitions of that many tokens
             (a multiple of ``block_n``); ``None`` = choose (:func:`use_split_kv`, 512-token partitions).
         block_n: keys per loop iteration (power of two >= 16; default 64, 32 for head_dim > 128).
-        interpret: run in Triton's interpreter; ``None`` = on CPU tensors only (:mod:`kernels.runtime`).
+        interpret: run in Triton's interpreter; ``None`` = on CPU tensors only (:mod:`workbench.kernels.runtime`).
 
     Returns:
         ``out``: ``[num_seqs, num_heads, head_dim]`` in ``q.dtype`` (or ``out``'s dtype).

@@ -1,14 +1,14 @@
 """Triton kernels for paged attention, cache writes and block copies, each beside its PyTorch reference.
 
-| module | kernels | PyTorch reference (:mod:`kernels.reference`) |
+| module | kernels | PyTorch reference (:mod:`workbench.kernels.reference`) |
 |---|---|---|
-| :mod:`kernels.paged_attention` | decode attention, single pass and split-KV (+ its merge) | ``paged_decode_attention_ref`` |
-| :mod:`kernels.prefill_attention` | causal attention of a chunk of new tokens over a paged context | ``paged_prefill_attention_ref`` |
-| :mod:`kernels.cache_ops` | ``reshape_and_cache``, ``copy_blocks``, ``gather_blocks`` / ``scatter_blocks`` (swap) | ``*_ref`` |
+| :mod:`workbench.kernels.paged_attention` | decode attention, single pass and split-KV (+ its merge) | ``paged_decode_attention_ref`` |
+| :mod:`workbench.kernels.prefill_attention` | causal attention of a chunk of new tokens over a paged context | ``paged_prefill_attention_ref`` |
+| :mod:`workbench.kernels.cache_ops` | ``reshape_and_cache``, ``copy_blocks``, ``gather_blocks`` / ``scatter_blocks`` (swap) | ``*_ref`` |
 
 The engine reaches them through :mod:`workbench.attention` (backend ``"triton"`` on CUDA,
 ``"triton-interpret"`` anywhere). This package itself never imports Triton, so a CPU-only
-install without Triton imports ``kernels`` and ``kernels.reference`` fine; the kernel modules
+install without Triton imports ``workbench.kernels`` and ``workbench.kernels.reference`` fine; the kernel modules
 need Triton (``pip install triton``, or the ``triton`` extra of this project).
 
 **Compiled or interpreted.** Every kernel wrapper takes ``interpret``: ``None`` (default) runs
@@ -18,7 +18,7 @@ the compiled kernel on CUDA tensors and Triton's interpreter (NumPy, on the CPU)
 including Triton's library (``tl.max``, ``tl.sum``, ...) when ``triton.language`` is first imported
 — and PyTorch imports Triton by itself (``torch._dynamo`` does, e.g. when transformers builds a
 model). So setting it later has no effect, and a process that wants both modes could not have them.
-:mod:`kernels.runtime` therefore launches a kernel in the interpreter by wrapping its Python
+:mod:`workbench.kernels.runtime` therefore launches a kernel in the interpreter by wrapping its Python
 function in Triton's ``InterpretedFunction`` and swapping Triton's library functions for
 interpreted ones during the launch. With ``TRITON_INTERPRET=1`` set before Triton's first import,
 every kernel is interpreted (Triton's documented mode) and compiled launches are refused.

@@ -18,16 +18,16 @@ A block of a contiguous cache ``[2, num_blocks, block_size, num_kv_heads, head_d
 ``block_size * num_kv_heads * head_dim`` elements, so a copy is a strided memcpy.
 
 The oracles are ``reshape_and_cache_ref``, ``copy_blocks_ref``, ``gather_blocks_ref`` and
-``scatter_blocks_ref`` in :mod:`kernels.reference`.
+``scatter_blocks_ref`` in :mod:`workbench.kernels.reference`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import load_triton, next_power_of_2
-from kernels.reference import copy_blocks_ref, gather_blocks_ref, reshape_and_cache_ref, scatter_blocks_ref
-from kernels.runtime import launch, wants_interpreter
+from workbench.kernels import load_triton, next_power_of_2
+from workbench.kernels.reference import copy_blocks_ref, gather_blocks_ref, reshape_and_cache_ref, scatter_blocks_ref
+from workbench.kernels.runtime import launch, wants_interpreter
 
 triton = load_triton()
 import triton.language as tl  # noqa: E402
@@ -124,7 +124,7 @@ def reshape_and_cache(
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, equal strides; values are
             cast to the cache's dtype.
         slot_mapping: ``[num_tokens]`` int32 / int64; slot = block * block_size + row; negative = skip.
-        interpret: run in Triton's interpreter; ``None`` = on CPU tensors only (:mod:`kernels.runtime`).
+        interpret: run in Triton's interpreter; ``None`` = on CPU tensors only (:mod:`workbench.kernels.runtime`).
 
     Raises:
         ValueError: inconsistent shapes. RuntimeError: compiled mode asked for CPU tensors.
@@ -200,7 +200,7 @@ def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, *, in
         src, dst: ``[n]`` int32 / int64 block ids on the cache's device. The programs run in no set
             order, so no block may be both a source and a destination of the same call (true of
             copy-on-write, whose destinations are fresh blocks; split a defragmentation into rounds).
-        interpret: run in Triton's interpreter; ``None`` = on CPU tensors only (:mod:`kernels.runtime`).
+        interpret: run in Triton's interpreter; ``None`` = on CPU tensors only (:mod:`workbench.kernels.runtime`).
 
     Raises:
         ValueError: bad shapes. RuntimeError: compiled mode asked for CPU tensors.

@@ -5,8 +5,8 @@ dtype mixes, early returns and register/shared-memory use only show up in Triton
 module runs that compiler down to a cubin (Triton ships ``ptxas``) for given GPU architectures,
 so CI without a GPU still catches a kernel that would not build on one.
 
-    python -m kernels.aot                      # sm_80 (A100) and sm_90 (H100/H200), fp16 and bf16
-    python -m kernels.aot --arch 89 --dtype fp32
+    python -m workbench.kernels.aot                      # sm_80 (A100) and sm_90 (H100/H200), fp16 and bf16
+    python -m workbench.kernels.aot --arch 89 --dtype fp32
 
 It needs Triton in compiled mode: run it in a process where ``TRITON_INTERPRET`` is unset.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kernels import interpreter_forced, load_triton, next_power_of_2
+from workbench.kernels import interpreter_forced, load_triton, next_power_of_2
 
 #: (architecture, dtype) pairs compiled by default: Ampere and Hopper, the two half types.
 DEFAULT_TARGETS = [(80, "fp16"), (80, "bf16"), (90, "fp16"), (90, "bf16")]
@@ -33,7 +33,7 @@ def kernel_sources(dtype: str = "fp16", head_dim: int = 128, group: int = 4, blo
     """``name -> (jit function, signature, constexprs)`` for every kernel, at one configuration."""
     if interpreter_forced():
         raise RuntimeError("kernels.aot compiles kernels: run it in a process without TRITON_INTERPRET=1")
-    from kernels import cache_ops, paged_attention, prefill_attention
+    from workbench.kernels import cache_ops, paged_attention, prefill_attention
 
     t = f"*{dtype}"
     bd = max(16, next_power_of_2(head_dim))

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import load_triton, next_power_of_2
-from kernels.paged_attention import LOG2E, _check, _upcast
-from kernels.reference import paged_prefill_attention_ref
-from kernels.runtime import launch, wants_interpreter
+from workbench.kernels import load_triton, next_power_of_2
+from workbench.kernels.paged_attention import LOG2E, _check, _upcast
+from workbench.kernels.reference import paged_prefill_attention_ref
+from workbench.kernels.runtime import launch, wants_interpreter
 
 triton = load_triton()
 import triton.language as tl  # noqa: E402
@@ -152,7 +152,7 @@ def paged_prefill_attention(
         out: optional ``[num_tokens, num_heads, head_dim]`` output.
         block_m, block_n: query rows and keys per tile (powers of two >= 16; default 64 and 64, 32 keys
             for ``head_dim > 128``).
-        interpret: run in Triton's interpreter; ``None`` = on CPU tensors only (:mod:`kernels.runtime`).
+        interpret: run in Triton's interpreter; ``None`` = on CPU tensors only (:mod:`workbench.kernels.runtime`).
 
     Returns:
         ``out``: ``[num_tokens, num_heads, head_dim]``.
