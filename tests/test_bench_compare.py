@@ -176,8 +176,12 @@ def test_an_introduced_regression_is_caught_and_a_rerun_passes(tmp_path):
         run("base", f"b{i}", True)
         run("rerun", f"r{i}", True)
         run("regressed", f"x{i}", False)
-    caught = invoke(tmp_path / "base", tmp_path / "regressed")
+    # Gates at 2x / 0.5x, not the dashboard's 1.2x / 0.8x: on a 2-core machine shared with other work, two of three
+    # repeats can land in one burst of load and move a median by more than 20% (a CI run saw it), while caching off
+    # on this trace is a 5-8x TTFT and 0.2-0.3x throughput regression (docs/benchmarks.md, chapter 18).
+    limits = ("--latency-threshold", "2", "--throughput-threshold", "0.5")
+    caught = invoke(tmp_path / "base", tmp_path / "regressed", *limits)
     assert caught.exit_code == 1, caught.output
     assert "REGRESSED: TTFT median (ttft_p50_s)" in caught.output
-    rerun = invoke(tmp_path / "base", tmp_path / "rerun")
+    rerun = invoke(tmp_path / "base", tmp_path / "rerun", *limits)
     assert rerun.exit_code == 0, rerun.output
