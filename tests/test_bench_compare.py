@@ -160,7 +160,7 @@ def test_an_unfinished_run_folder_is_refused_and_a_missing_metric_is_named(tmp_p
 def test_an_introduced_regression_is_caught_and_a_rerun_passes(tmp_path):
     """Real runs of the bundled model on a shared-prefix trace: baseline with prefix caching, a rerun of the
     baseline's configuration and the regression, prefix caching off, three repeats each, interleaved (a burst of
-    load from elsewhere on the machine moves one repeat, not the median); the regression's TTFT and throughput fail
+    load from elsewhere on the machine moves one repeat, not the median); the regression's throughput and TPOT fail
     the gate, the rerun passes."""
     from workbench.bench.run import run_job
 
@@ -176,12 +176,14 @@ def test_an_introduced_regression_is_caught_and_a_rerun_passes(tmp_path):
         run("base", f"b{i}", True)
         run("rerun", f"r{i}", True)
         run("regressed", f"x{i}", False)
-    # Gates at 2x / 0.5x, not the dashboard's 1.2x / 0.8x: on a 2-core machine shared with other work, two of three
-    # repeats can land in one burst of load and move a median by more than 20% (a CI run saw it), while caching off
-    # on this trace is a 5-8x TTFT and 0.2-0.3x throughput regression (docs/benchmarks.md, chapter 18).
-    limits = ("--latency-threshold", "2", "--throughput-threshold", "0.5")
+    # Gates at 1.5x / 0.67x, not the dashboard's 1.2x / 0.8x: on a 2-core machine two of three repeats can land in one
+    # burst of load from elsewhere and move a median by more than 20%. Caching off on this trace halves throughput
+    # and more than doubles TPOT (each later wave's 528-token prefills run as chunks beside the decodes); TTFT, mostly
+    # queueing behind max_num_seqs=4, moves only about 1.3x here, so it is not asserted.
+    limits = ("--latency-threshold", "1.5", "--throughput-threshold", "0.67")
     caught = invoke(tmp_path / "base", tmp_path / "regressed", *limits)
     assert caught.exit_code == 1, caught.output
-    assert "REGRESSED: TTFT median (ttft_p50_s)" in caught.output
+    assert "REGRESSED: output throughput (output_throughput_tok_s)" in caught.output, caught.output
+    assert "REGRESSED: TPOT median (tpot_p50_s)" in caught.output, caught.output
     rerun = invoke(tmp_path / "base", tmp_path / "rerun", *limits)
     assert rerun.exit_code == 0, rerun.output
