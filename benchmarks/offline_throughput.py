@@ -6,6 +6,9 @@ engine's cached HF folder of the bundled SmolLM2-135M-Instruct), in one dtype (`
 CPU, with the same thread count:
 
 * ``engine``: ``LLM.generate`` (paged KV cache, continuous batching, chunked prefill).
+* ``engine-torch-attn``: the same engine with ``attention_backend="torch"`` (the PyTorch reference's gather +
+  SDPA for decode), the same-run baseline of what ``auto`` picks on a CPU in bfloat16 (the C++ decode kernel of
+  ``workbench/kernels/cpu_attention.py``); in float32 ``auto`` is the reference already and the two rows agree.
 * ``hf-static``: ``model.generate`` over left-padded batches of ``--hf-batch-size`` prompts, in
   prompt order. Padding waste: each batch is padded to its longest prompt, so the prefill computes
   the pad positions too, and the pad positions stay in every sequence's KV cache and in every
@@ -94,7 +97,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHAREGPT_500 = REPO.parent / "shared" / "data" / "sharegpt" / "ShareGPT_V3_filtered_500.json"
-SYSTEMS = ("engine", "hf-static", "hf-cb", "vllm")
+SYSTEMS = ("engine", "engine-torch-attn", "hf-static", "hf-cb", "vllm")
 DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_VLLM_VENV = REPO / "runs" / "bench" / "vllm-venv"
 DEFAULT_OUT = REPO / "runs" / "bench" / "offline_throughput.json"
@@ -217,11 +220,16 @@ def machine_info() -> dict:
     return info
 
 
-def load_engine(max_num_seqs: int, max_batch_tokens: int, dtype: str = "float32"):
+def load_engine(max_num_seqs: int, max_batch_tokens: int, dtype: str = "float32", attention_backend: str = "auto"):
     """The workbench engine on the bundled model, in ``dtype`` (float32 unless told)."""
     from workbench import LLM
 
-    return LLM(dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batch_tokens)
+    return LLM(
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batch_tokens,
+        attention_backend=attention_backend,
+    )
 
 
 def resolve_run_dtype(dtype: str) -> torch.dtype:
@@ -688,6 +696,10 @@ def main(argv=None) -> int:
     eng = llm.llm_engine
     if eng.config.torch_dtype != run_dtype:
         raise SystemExit(f"the engine runs in {eng.config.torch_dtype}, not the resolved {run_dtype}")
+    print(f"# engine: attention backend {eng.executor.attn_backend.name}", flush=True)
+    llm_ref = None
+    if "engine-torch-attn" in args.systems:
+        llm_ref = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype, attention_backend="torch")
     hf_config = eng.hf_config
     tokenizer = eng.tokenizer
     prompts, prompt_info = load_token_prompts(tokenizer, args.num_prompts, args.max_prompt_len, args.dataset)
@@ -723,6 +735,8 @@ def main(argv=None) -> int:
         gc.collect()
         if system == "engine":
             return run_engine(llm, ps, max_tokens)
+        if system == "engine-torch-attn":
+            return run_engine(llm_ref, ps, max_tokens)
         if system == "hf-static":
             return run_hf_static(model, ps, max_tokens, args.hf_batch_size, pad_id)
         gen = cb_gen

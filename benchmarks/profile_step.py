@@ -89,7 +89,7 @@ def instrument(llm, timers: Timers) -> None:
     import workbench.executor.local as executor_mod
 
     eng = llm.llm_engine
-    # the model calls its attention backend (the PyTorch reference here); wrap that object's two methods
+    # the model calls its attention backend (the reference, or the C++ decode kernel's); wrap its two methods
     attn = eng.executor.attn_backend
     attn.paged_attention = timers.wrap("attention", attn.paged_attention, LABEL_ATTN)
     attn.write_kv = timers.wrap("kv_write", attn.write_kv, LABEL_KV_WRITE)
@@ -260,7 +260,8 @@ def cprofile_run(llm, prompts, max_tokens: int, top: int, prof_path: Path | None
         "Scheduler.schedule": ("workbench/scheduler.py", "schedule"),
         "prepare_inputs": ("workbench/executor/local.py", "prepare_inputs"),
         "execute_model (forward)": ("workbench/executor/local.py", "execute_model"),
-        "paged_attention": ("workbench/attention/torch_ref.py", "paged_attention"),
+        "paged_attention (cpu backend: C++ decode)": ("workbench/attention/cpu_backend.py", "paged_attention"),
+        "paged_attention (reference)": ("workbench/attention/torch_ref.py", "paged_attention"),
         "write_kv": ("workbench/attention/torch_ref.py", "write_kv"),
         "sample": ("workbench/sampling.py", "sample"),
         "Scheduler.update": ("workbench/scheduler.py", "update"),
@@ -302,6 +303,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="engine dtype (default auto)"
     )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="engine attention_backend (default auto: the C++ decode kernel on a CPU in bfloat16, else the reference)",
+    )
     p.add_argument("--profile-steps", type=int, default=12, help="steps under torch.profiler (default 12)")
     p.add_argument("--top", type=int, default=20, help="cProfile functions to list (default 20)")
     p.add_argument("--dataset", default=None, help="prompt file (default: ShareGPT 500 if present, else defaults)")
@@ -320,7 +326,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     machine = machine_info()
-    llm = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype)
+    llm = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype, args.attention_backend)
     dtype = str(llm.llm_engine.config.torch_dtype).removeprefix("torch.")
     prompts, prompt_info = load_token_prompts(llm.tokenizer, args.num_prompts, args.max_prompt_len, args.dataset)
     print(
@@ -393,6 +399,7 @@ def main(argv=None) -> int:
             "profile_steps": args.profile_steps,
             "dtype": dtype,
             "dtype_arg": args.dtype,
+            "attention_backend": llm.llm_engine.executor.attn_backend.name,
             "greedy": True,
             "ignore_eos": True,
         },

@@ -156,6 +156,12 @@ def test_bfloat16_logits_stay_within_the_bound_of_float32_and_agree_with_transfo
 
 
 def test_bfloat16_greedy_batch_equals_transformers_bfloat16_up_to_near_ties(bf16_llm, hf_models, chat_ids):
+    """Decode attention here runs the C++ CPU kernel wherever it builds (``attention_backend="auto"`` with a
+    bfloat16 cache), the PyTorch reference elsewhere."""
+    from workbench.kernels.cpu_attention import toolchain_missing
+
+    expected = "torch" if toolchain_missing() else "cpu"
+    assert bf16_llm.llm_engine.executor.attn_backend.name == expected
     hf = hf_models[torch.bfloat16]
     outs = bf16_llm.generate(chat_ids, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     same = 0

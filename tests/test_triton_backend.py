@@ -24,7 +24,7 @@ needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton
 def test_backend_names_and_auto():
     assert resolve_backend("auto", "cpu") == "torch"
     assert get_backend("torch", "cpu").name == "torch"
-    with pytest.raises(ValueError, match="attention_backend='flash'.*'auto', 'torch', 'triton', 'triton-interpret'"):
+    with pytest.raises(ValueError, match="attention_backend='flash'.*'auto', 'torch', 'cpu', 'triton', 'triton-interpret'"):
         EngineConfig(attention_backend="flash").validate()
 
 

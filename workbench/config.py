@@ -40,7 +40,7 @@ KV_ALLOCATORS = ("paged", *CONTIGUOUS_ALLOCATORS, *BUILTIN_ALLOCATORS)  # the la
 BATCHING_POLICIES = ("continuous", "static", "grouped")  # see workbench.scheduler
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton-interpret")  # see workbench.attention.backend
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "triton-interpret")  # see workbench.attention.backend
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
 PREFIX_CACHE_EVICTIONS = ("lru", "fifo", "lfu")  # see workbench.allocators.eviction
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # and the aliases of resolve_dtype
@@ -149,7 +149,8 @@ class EngineConfig:
     )
     attention_backend: str = arg(
         "auto",
-        "paged attention: auto (Triton on CUDA if installed, else PyTorch), the PyTorch reference, "
+        "paged attention: auto (Triton on CUDA if installed; on CPU with a bfloat16 KV cache the C++ decode kernel "
+        "where g++ and ninja exist; else PyTorch), the PyTorch reference, the C++ CPU decode kernel, "
         "compiled Triton kernels (CUDA), or the Triton kernels in Triton's interpreter (slow; teaching)",
         choices=ATTENTION_BACKENDS,
     )

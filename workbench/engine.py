@@ -96,6 +96,8 @@ class LLMEngine:
             clock=self.clock,
         )
         ex.init_cache(self.memory.num_blocks, num_cpu_blocks)
+        if backend := getattr(ex, "attn_backend", None):  # what attention_backend resolved to (auto: see its table)
+            log.info("attention backend %s (attention_backend=%s)", backend.name, config.attention_backend)
         #: the KV pool's split, step by step, settled when requests release their blocks
         self.accounting = PoolAccounting(self.kv)
         self.defrag = Defragmenter.from_config(config, self.kv, self.memory.block_bytes, self.accounting)

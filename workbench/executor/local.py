@@ -134,7 +134,7 @@ class ModelRunner:
         model: the loaded model (weights already on ``device`` in their dtype).
         num_blocks, block_size: the pool's shape.
         kv_dtype, device: the cache's dtype and device.
-        attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"triton-interpret"``
+        attention_backend: ``"auto"``, ``"torch"``, ``"cpu"``, ``"triton"`` or ``"triton-interpret"``
             (:mod:`workbench.attention.backend`); the Triton backends also do the block copies.
     """
 
@@ -149,7 +149,7 @@ class ModelRunner:
         attention_backend: str = "auto",
     ):
         self.model = model
-        self.attn_backend = get_backend(attention_backend, device)
+        self.attn_backend = get_backend(attention_backend, device, kv_dtype)
         cfg = model.config
         attn = model.layers[0].self_attn  # KV heads of this rank's shard under tensor parallelism
         shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
@@ -167,7 +167,7 @@ class ModelRunner:
     ) -> None:
         """Block copies of one step, in this order: device -> CPU (swap out), device -> device (copy-on-write),
         CPU -> device (swap in). Each pair is ``(src, dst)`` block ids; device copies run in list order."""
-        if self.attn_backend.name != "torch":  # the Triton gather / copy / scatter kernels
+        if hasattr(self.attn_backend, "copy_blocks"):  # the Triton gather / copy / scatter kernels
             self.attn_backend.copy_blocks(self.kv_caches, self.cpu_caches, swap_out, copies, swap_in)
             return
 

@@ -1,0 +1,126 @@
+"""The C++ CPU decode-attention kernel (workbench/kernels/cpu_attention.py) against its PyTorch reference, the
+``"cpu"`` attention backend in the engine, and how ``attention_backend`` chooses and refuses it."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from workbench import LLM, LLMEngine, SamplingParams
+from workbench.attention import backend as backend_mod
+from workbench.attention import get_backend, resolve_backend
+from workbench.config import EngineConfig
+from workbench.kernels import cpu_attention
+from workbench.kernels.reference import paged_decode_attention_ref
+
+MISSING = cpu_attention.toolchain_missing()
+REQUIRE = os.environ.get("WORKBENCH_REQUIRE_CPU_KERNEL") == "1"  # .ci/run sets it: the kernel must build there
+needs_toolchain = pytest.mark.skipif(MISSING is not None and not REQUIRE, reason=f"cannot build: {MISSING}")
+
+
+def _case(seed, dtype, num_heads, num_kv_heads, block_size, lens, head_dim=64, num_blocks=64):
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
+    width = max(-(-n // block_size) for n in lens) + 1  # one spare column: entries past a sequence are never read
+    perm = random.Random(seed).sample(range(num_blocks), num_blocks)  # blocks anywhere, in any order
+    tables = torch.tensor([[perm[(i * width + j) % num_blocks] for j in range(width)] for i in range(len(lens))])
+    return q, kc, vc, tables, torch.tensor(lens)
+
+
+@needs_toolchain
+@pytest.mark.parametrize(
+    "dtype,num_heads,num_kv_heads,block_size,lens",
+    [
+        (torch.float32, 4, 4, 16, [1, 17, 40]),  # multi-head, a one-token context, a partial last block
+        (torch.float32, 9, 3, 16, [5, 32, 33, 64]),  # grouped-query (3 query heads per KV head), full blocks
+        (torch.float32, 8, 1, 1, [3, 9]),  # block_size 1, multi-query
+        (torch.bfloat16, 9, 3, 16, [1, 100, 200]),
+        (torch.bfloat16, 8, 2, 8, [7, 64]),
+    ],
+)
+def test_the_kernel_equals_its_reference(dtype, num_heads, num_kv_heads, block_size, lens):
+    q, kc, vc, tables, ctx = _case(len(lens) + num_heads, dtype, num_heads, num_kv_heads, block_size, lens)
+    got = cpu_attention.paged_decode_attention(q, kc, vc, tables, ctx, 0.125)
+    assert got.dtype == dtype and got.shape == q.shape
+    ref32 = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, ctx, 0.125)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref32, atol=2e-6, rtol=1e-5)  # float32 throughout: the order of sums only
+    else:  # float32 inside, one rounding to bfloat16 at the end: within a bfloat16 step of the exact result
+        ref16 = paged_decode_attention_ref(q, kc, vc, tables, ctx, 0.125).float()
+        assert (got.float() - ref32).abs().max().item() <= 1e-2
+        assert (got.float() - ref32).abs().max() <= (ref16 - ref32).abs().max() + 1e-2
+
+
+@needs_toolchain
+def test_a_length_outside_the_table_is_refused_before_the_kernel_reads():
+    q, kc, vc, tables, _ = _case(0, torch.float32, 4, 4, 16, [20])
+    with pytest.raises(ValueError, match=r"context_lens span 0\.\.0 tokens, but each must be in 1\.\.48"):
+        cpu_attention.paged_decode_attention(q, kc, vc, tables, torch.tensor([0]), 0.125)
+    with pytest.raises(ValueError, match=r"max_blocks 3 x block_size 16"):
+        cpu_attention.paged_decode_attention(q, kc, vc, tables, torch.tensor([49]), 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_attention.paged_decode_attention(q.bfloat16(), kc, vc, tables, torch.tensor([20]), 0.125)
+
+
+def test_auto_takes_the_kernel_for_a_bfloat16_cache_on_the_cpu_only(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "toolchain_missing", lambda: None)
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "cpu"
+    assert resolve_backend("auto", "cpu", torch.float32) == "torch"  # float32 stays on the exact reference
+    assert resolve_backend("auto", "cpu") == "torch"
+    monkeypatch.setattr(cpu_attention, "toolchain_missing", lambda: "no C++ compiler (c++ / g++) on PATH: `apt-get install g++`")
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="apt-get install g\\+\\+.*or use 'torch'"):
+        get_backend("cpu", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="runs on the CPU, but device='cuda'"):
+        backend_mod.check_backend("cpu", "cuda")
+
+
+def test_auto_falls_back_to_the_reference_when_the_build_fails(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "toolchain_missing", lambda: None)
+
+    def broken():
+        raise RuntimeError("Error building extension")
+
+    monkeypatch.setattr(cpu_attention, "load", broken)
+    with pytest.warns(UserWarning, match="did not build .*Error building extension.*PyTorch reference"):
+        assert get_backend("auto", "cpu", torch.bfloat16).name == "torch"
+    with pytest.raises(RuntimeError, match="Error building extension"):  # asked for by name: the error, not a fallback
+        get_backend("cpu", "cpu", torch.bfloat16)
+
+
+def test_an_unknown_backend_names_the_cpu_one():
+    with pytest.raises(ValueError, match="'cpu'"):
+        EngineConfig(attention_backend="cuda").validate()
+
+
+@needs_toolchain
+def test_the_engine_with_the_kernel_generates_what_the_reference_does(tiny_model, caplog):
+    """Greedy tokens of decodes beside chunked prefills, kernel vs reference, in float32: the two differ only in the
+    order of float32 sums (about 1e-7), so they agree token for token. In bfloat16 the tiny model's random weights put
+    near ties everywhere; the bundled model's bfloat16 run through the kernel is checked against transformers with
+    the suite's near-tie rule in tests/test_bfloat16.py."""
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 13 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for name in ("torch", "cpu"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="workbench"):
+            llm = LLM(model=str(tiny_model), dtype="float32", attention_backend=name, block_size=4, max_model_len=128,
+                      max_num_batched_tokens=32, max_num_seqs=8)  # fmt: skip
+        assert llm.llm_engine.executor.attn_backend.name == name
+        assert f"attention backend {name} (attention_backend={name})" in caplog.text
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs["cpu"] == outs["torch"]
+
+
+@needs_toolchain
+def test_auto_in_bfloat16_runs_the_kernel_in_the_engine(tiny_model):
+    eng = LLMEngine(EngineConfig(model=str(tiny_model), dtype="bfloat16", block_size=4, max_model_len=64))
+    assert eng.executor.attn_backend.name == "cpu"
+    eng32 = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", block_size=4, max_model_len=64))
+    assert eng32.executor.attn_backend.name == "torch"

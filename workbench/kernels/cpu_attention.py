@@ -1,0 +1,109 @@
+"""Paged decode attention on the CPU, in C++ (``cpu_paged_attention.cpp``), beside its PyTorch reference.
+
+The reference backend gathers each decode sequence's blocks into a padded tensor and calls SDPA; for one query token
+per sequence most of that time is the copy and a kernel shaped for long queries (``docs/benchmarks.md``, issue 17).
+This kernel reads every K/V row where it lies in the cache, as vLLM's CPU ``paged_attention_v1`` does, accumulating
+in float32. Its reference is :func:`workbench.kernels.reference.paged_decode_attention_ref`.
+
+The source is compiled on first use with :func:`torch.utils.cpp_extension.load` (g++ and ninja; about a minute) for
+this CPU (``-march=native``), and cached under ``~/.cache/torch_extensions`` by a name that includes a digest of the
+source, the CPU's flags and torch's version, so a move to another CPU or torch rebuilds instead of crashing.
+``python -m workbench.kernels.cpu_attention`` builds it ahead of time (``make venv`` does).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import shutil
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+
+
+def toolchain_missing() -> str | None:
+    """What stops the build here (a sentence naming the fix), or ``None`` when a C++ compiler and ninja exist."""
+    if not shutil.which("c++") and not shutil.which("g++"):
+        return "no C++ compiler (c++ / g++) on PATH: `apt-get install g++`"
+    if importlib.util.find_spec("ninja") is None:
+        return "ninja is not installed: `pip install ninja`"
+    return None
+
+
+def _extension_name() -> str:
+    from workbench.cpu_dtype import _cpu_flags
+
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(" ".join(sorted(_cpu_flags())).encode())
+    digest.update(torch.__version__.encode())
+    return f"workbench_cpu_attention_{digest.hexdigest()[:12]}"
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled module (builds it on first use in a machine's life, then loads the cached build).
+
+    Raises:
+        RuntimeError: the toolchain is missing (the message names the fix) or the build failed.
+    """
+    missing = toolchain_missing()
+    if missing:
+        raise RuntimeError(f"the CPU attention kernel cannot be built: {missing}")
+    from torch.utils.cpp_extension import load as build
+
+    return build(
+        name=_extension_name(),
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context: ``[num_seqs, num_heads, head_dim]``.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]`` float32 or bfloat16.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype.
+        block_tables: ``[num_seqs, max_blocks]`` int64.
+        context_lens: ``[num_seqs]`` int64 tokens, the query's own included (its K/V already written).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Raises:
+        ValueError: a length is below 1 or beyond its block table (the kernel would read outside it).
+        RuntimeError: the kernel cannot be built here (see :func:`load`), or a shape or dtype does not fit.
+    """
+    lens = context_lens.to(torch.int64).contiguous()
+    if lens.numel():
+        lo, hi = int(lens.min()), int(lens.max())
+        if lo < 1 or hi > block_tables.shape[1] * k_cache.shape[1]:
+            raise ValueError(
+                f"context_lens span {lo}..{hi} tokens, but each must be in 1..{block_tables.shape[1] * k_cache.shape[1]} "
+                f"(max_blocks {block_tables.shape[1]} x block_size {k_cache.shape[1]})"
+            )
+    return load().paged_decode_attention(
+        q.contiguous(), k_cache, v_cache, block_tables.to(torch.int64).contiguous(), lens, float(scale)
+    )
+
+
+if __name__ == "__main__":  # python -m workbench.kernels.cpu_attention: build ahead of time
+    import time
+
+    t0 = time.perf_counter()
+    missing = toolchain_missing()
+    if missing:
+        raise SystemExit(f"not built: {missing}")
+    load()
+    print(f"{_extension_name()}: built or loaded in {time.perf_counter() - t0:.1f} s")

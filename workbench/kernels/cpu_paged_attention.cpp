@@ -1,0 +1,141 @@
+// Paged decode attention on the CPU: one query token per sequence, K/V read straight from the cache's blocks.
+//
+// The PyTorch reference (workbench/attention/torch_ref.py) gathers every sequence's blocks into a padded tensor and
+// calls SDPA; for one query token per sequence that costs a copy of the whole context and a kernel built for long
+// queries. This loop reads each K/V row where it lies (vLLM's CPU paged_attention_v1 does the same), in float32.
+//
+// Shapes (as paged_decode_attention_ref in reference.py):
+//   q            [num_seqs, num_heads, head_dim]                      float32 or bfloat16, contiguous
+//   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]     same dtype, contiguous
+//   block_tables [num_seqs, max_blocks]                               int64
+//   context_lens [num_seqs]                                           int64, the query's own token included, >= 1
+//   returns      [num_seqs, num_heads, head_dim]                      q's dtype
+// The query heads h*g .. h*g+g-1 share KV head h (grouped-query attention, g = num_heads / num_kv_heads).
+// Softmax is two-pass per sequence: every head's scores, then max, exp, sum, then the weighted V.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = uint32_t(x.x) << 16;  // bfloat16 is the top half of a float32
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline void row_to_float(const T* src, float* dst, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
+}
+
+template <typename T>
+void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* context_lens,
+            T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+            int64_t max_blocks, float scale) {
+  const int64_t g = num_heads / num_kv_heads, d = head_dim;
+  const int64_t row = num_kv_heads * d;  // one token's K (or V) for every KV head: contiguous in a block
+  // One job per sequence: a block's rows are read front to back (block_size x row elements, contiguous), which the
+  // hardware prefetcher streams; a job per (sequence, KV head) would read a third of each row at a stride instead.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(num_heads * d), acc(num_heads * d), rowf(row), scores;
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t ctx = context_lens[s];
+      const int64_t* table = block_tables + s * max_blocks;
+      row_to_float(q + s * num_heads * d, qf.data(), num_heads * d);
+      for (int64_t i = 0; i < num_heads * d; ++i) qf[i] *= scale;
+      scores.resize(num_heads * ctx);  // [num_heads][ctx]
+      for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, ++b) {
+        const T* kb = k_cache + table[b] * block_size * row;
+        const int64_t nt = std::min(block_size, ctx - t0);
+        for (int64_t o = 0; o < nt; ++o) {
+          row_to_float(kb + o * row, rowf.data(), row);
+          for (int64_t hq = 0; hq < num_heads; ++hq) {  // query head hq reads KV head hq / g
+            const float* qh = qf.data() + hq * d;
+            const float* kh = rowf.data() + (hq / g) * d;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < d; ++i) dot += qh[i] * kh[i];
+            scores[hq * ctx + t0 + o] = dot;
+          }
+        }
+      }
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        float* sh = scores.data() + hq * ctx;
+        const float m = *std::max_element(sh, sh + ctx);
+        float z = 0.f;
+#pragma omp simd reduction(+ : z)
+        for (int64_t t = 0; t < ctx; ++t) {
+          sh[t] = std::exp(sh[t] - m);
+          z += sh[t];
+        }
+        const float inv = 1.f / z;
+#pragma omp simd
+        for (int64_t t = 0; t < ctx; ++t) sh[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, ++b) {
+        const T* vb = v_cache + table[b] * block_size * row;
+        const int64_t nt = std::min(block_size, ctx - t0);
+        for (int64_t o = 0; o < nt; ++o) {
+          row_to_float(vb + o * row, rowf.data(), row);
+          for (int64_t hq = 0; hq < num_heads; ++hq) {
+            const float p = scores[hq * ctx + t0 + o];
+            const float* vh = rowf.data() + (hq / g) * d;
+            float* ah = acc.data() + hq * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ah[i] += p * vh[i];
+          }
+        }
+      }
+      T* o = out + s * num_heads * d;
+      for (int64_t i = 0; i < num_heads * d; ++i) o[i] = T(acc[i]);
+    }
+  });
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [num_seqs, num_heads, head_dim] and the caches [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must have one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  context_lens.is_contiguous(), "every tensor must be contiguous");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head_dim or head counts do not match");
+  TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "one block table and length per sequence");
+  auto out = torch::empty_like(q);
+  const int64_t max_blocks = block_tables.size(1);
+  if (q.scalar_type() == at::kBFloat16) {
+    using B = c10::BFloat16;
+    decode<B>(static_cast<const B*>(q.data_ptr()), static_cast<const B*>(k_cache.data_ptr()),
+              static_cast<const B*>(v_cache.data_ptr()), block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+              static_cast<B*>(out.data_ptr()), num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+              static_cast<float>(scale));
+  } else {
+    decode<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                  block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs,
+                  num_heads, num_kv_heads, head_dim, block_size, max_blocks, static_cast<float>(scale));
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention on the CPU (see the file's head)");
+}
