@@ -160,8 +160,8 @@ def test_an_unfinished_run_folder_is_refused_and_a_missing_metric_is_named(tmp_p
 def test_an_introduced_regression_is_caught_and_a_rerun_passes(tmp_path):
     """Real runs of the bundled model on a shared-prefix trace: baseline with prefix caching, a rerun of the
     baseline's configuration and the regression, prefix caching off, three repeats each, interleaved (a burst of
-    load from elsewhere on the machine moves one repeat, not the median); the regression's throughput and TPOT fail
-    the gate, the rerun passes."""
+    load from elsewhere on the machine moves one repeat, not the median); the regression's throughput fails the
+    gate, the rerun passes."""
     from workbench.bench.run import run_job
 
     trace = {"prefix_len": 512, "suffix_len": 16, "num_prefixes": 1, "output_len": 16, "vocab_size": 2000}
@@ -176,14 +176,11 @@ def test_an_introduced_regression_is_caught_and_a_rerun_passes(tmp_path):
         run("base", f"b{i}", True)
         run("rerun", f"r{i}", True)
         run("regressed", f"x{i}", False)
-    # Gates at 1.5x / 0.67x, not the dashboard's 1.2x / 0.8x: on a 2-core machine two of three repeats can land in one
-    # burst of load from elsewhere and move a median by more than 20%. Caching off on this trace halves throughput
-    # and more than doubles TPOT (each later wave's 528-token prefills run as chunks beside the decodes); TTFT, mostly
-    # queueing behind max_num_seqs=4, moves only about 1.3x here, so it is not asserted.
-    limits = ("--latency-threshold", "1.5", "--throughput-threshold", "0.67")
-    caught = invoke(tmp_path / "base", tmp_path / "regressed", *limits)
+    # The regression at the dashboard's gates (1.2x / 0.8x): caching off on this trace cuts output throughput to
+    # 0.5-0.6x and moves TTFT, TPOT and E2EL by 1.3-2.4x (CI runs, quiet and loaded). The noise-only rerun at wider
+    # gates (1.5x / 0.67x): on a 2-core machine two of three repeats can land in one burst of load from elsewhere.
+    caught = invoke(tmp_path / "base", tmp_path / "regressed")
     assert caught.exit_code == 1, caught.output
     assert "REGRESSED: output throughput (output_throughput_tok_s)" in caught.output, caught.output
-    assert "REGRESSED: TPOT median (tpot_p50_s)" in caught.output, caught.output
-    rerun = invoke(tmp_path / "base", tmp_path / "rerun", *limits)
+    rerun = invoke(tmp_path / "base", tmp_path / "rerun", "--latency-threshold", "1.5", "--throughput-threshold", "0.67")
     assert rerun.exit_code == 0, rerun.output
