@@ -124,3 +124,18 @@ def test_auto_in_bfloat16_runs_the_kernel_in_the_engine(tiny_model):
     assert eng.executor.attn_backend.name == "cpu"
     eng32 = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", block_size=4, max_model_len=64))
     assert eng32.executor.attn_backend.name == "torch"
+
+
+@needs_toolchain
+def test_the_benchmark_script_runs_and_checks_agreement(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import cpu_attention as bench  # benchmarks/cpu_attention.py
+    finally:
+        sys.path.pop(0)
+    bench.main(["--num-seqs", "3", "--context", "40", "--num-blocks", "32", "--calls", "2"])
+    out = capsys.readouterr().out
+    assert "| cpu (C++ kernel) |" in out and "reference / kernel, medians:" in out and "(bound 0.01)" in out

@@ -1,0 +1,95 @@
+"""Decode attention of one layer on the CPU: the C++ kernel (``attention_backend="cpu"``) against the PyTorch
+reference's gather + SDPA (``"torch"``), on the same cache, block tables and lengths.
+
+The shapes are the bundled SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64) unless told otherwise; the batch
+is ``--num-seqs`` sequences of ``--context`` tokens, less a seeded 0-25% each (so the reference pads and masks as it
+does in the engine), their blocks scattered over a pool of ``--num-blocks``. Both are timed call by call, alternating
+(a drift of the machine's speed hits both alike); the script prints the median and 10th percentile of each and the
+ratio of medians, and checks that the two agree (bfloat16: within 1e-2 of each other).
+
+Usage::
+
+    python benchmarks/cpu_attention.py                    # bfloat16, 64 sequences x 256 tokens, torch's threads
+    python benchmarks/cpu_attention.py --dtype float32 --num-seqs 8 --context 2048 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from workbench.attention.torch_ref import AttentionMetadata, DecodeGroup, paged_attention
+from workbench.kernels import cpu_attention
+
+
+def make_case(args):
+    g = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    bs, nkv, d, n = args.block_size, args.num_kv_heads, args.head_dim, args.num_seqs
+    kc = torch.randn(args.num_blocks, bs, nkv, d, generator=g).to(dtype)
+    vc = torch.randn(args.num_blocks, bs, nkv, d, generator=g).to(dtype)
+    q = torch.randn(n, args.num_heads, d, generator=g).to(dtype)
+    lens = args.context - (torch.rand(n, generator=g) * 0.25 * args.context).long()
+    width = -(-args.context // bs)
+    tables = torch.randperm(args.num_blocks, generator=g)[: n * width].view(n, width)
+    mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(torch.zeros(n, dtype=torch.long), n, [DecodeGroup(0, tables, mask, lens)], [], [], [])
+    return q, kc, vc, tables, lens, meta
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--num-seqs", type=int, default=64, help="decode sequences in the batch (default 64)")
+    p.add_argument("--context", type=int, default=256, help="longest context, tokens (default 256)")
+    p.add_argument("--num-heads", type=int, default=9)
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=4096, help="blocks in the pool (default 4096)")
+    p.add_argument("--calls", type=int, default=200, help="timed calls of each (default 200)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    args = p.parse_args(argv)
+    if args.num_seqs * -(-args.context // args.block_size) > args.num_blocks:
+        p.error("--num-blocks is too small for --num-seqs x --context")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if missing := cpu_attention.toolchain_missing():
+        raise SystemExit(f"the C++ kernel cannot be built here: {missing}")
+    q, kc, vc, tables, lens, meta = make_case(args)
+    scale = args.head_dim**-0.5
+    systems = {
+        "cpu (C++ kernel)": lambda: cpu_attention.paged_decode_attention(q, kc, vc, tables, lens, scale),
+        "torch (gather + SDPA)": lambda: paged_attention(q, None, None, kc, vc, meta, scale),
+    }
+    outs = {name: f().float() for name, f in systems.items()}  # also the warm-up (and the kernel's build or load)
+    diff = (outs["cpu (C++ kernel)"] - outs["torch (gather + SDPA)"]).abs().max().item()
+    bound = 1e-2 if args.dtype == "bfloat16" else 1e-5
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(args.calls):
+        for name, f in systems.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    print(
+        f"# decode attention, one layer: {args.num_seqs} sequences, context up to {args.context} tokens, "
+        f"{args.num_heads} query / {args.num_kv_heads} KV heads x {args.head_dim}, block {args.block_size}, "
+        f"{args.dtype}, {torch.get_num_threads()} threads, {args.calls} alternating calls each"
+    )
+    print("| backend | median (ms) | p10 (ms) |\n|---|---:|---:|")
+    med = {}
+    for name, ts in times.items():
+        ts.sort()
+        med[name] = statistics.median(ts)
+        print(f"| {name} | {med[name] * 1e3:.3f} | {ts[len(ts) // 10] * 1e3:.3f} |")
+    print(f"reference / kernel, medians: {med['torch (gather + SDPA)'] / med['cpu (C++ kernel)']:.2f}x")
+    print(f"largest difference between the two outputs: {diff:.2e} (bound {bound:g})")
+    if diff > bound:
+        raise SystemExit("the kernel and the reference disagree beyond the bound")
+
+
+if __name__ == "__main__":
+    main()
