@@ -119,11 +119,16 @@ def test_the_engine_with_the_kernel_generates_what_the_reference_does(tiny_model
 
 
 @needs_toolchain
-def test_auto_in_bfloat16_runs_the_kernel_in_the_engine(tiny_model):
-    eng = LLMEngine(EngineConfig(model=str(tiny_model), dtype="bfloat16", block_size=4, max_model_len=64))
+def test_auto_in_bfloat16_runs_the_kernel_in_the_engine_and_says_why(tiny_model, caplog):
+    with caplog.at_level("INFO", logger="workbench"):
+        eng = LLMEngine(EngineConfig(model=str(tiny_model), dtype="bfloat16", block_size=4, max_model_len=64))
     assert eng.executor.attn_backend.name == "cpu"
-    eng32 = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", block_size=4, max_model_len=64))
+    assert "attention backend cpu (attention_backend=auto: a bfloat16 KV cache on the CPU, g++ and ninja found)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="workbench"):
+        eng32 = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", block_size=4, max_model_len=64))
     assert eng32.executor.attn_backend.name == "torch"
+    assert "attention backend torch (attention_backend=auto: the reference for a float32 KV cache on cpu)" in caplog.text
 
 
 @needs_toolchain

@@ -150,7 +150,7 @@ class EngineConfig:
     attention_backend: str = arg(
         "auto",
         "paged attention: auto (Triton on CUDA if installed; on CPU with a bfloat16 KV cache the C++ decode kernel "
-        "where g++ and ninja exist; else PyTorch), the PyTorch reference, the C++ CPU decode kernel, "
+        "where g++ and ninja exist; else PyTorch), the PyTorch reference, the C++ decode kernel (CPU only), "
         "compiled Triton kernels (CUDA), or the Triton kernels in Triton's interpreter (slow; teaching)",
         choices=ATTENTION_BACKENDS,
     )

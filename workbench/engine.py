@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from workbench.allocators.defrag import Defragmenter
-from workbench.attention.backend import check_backend
+from workbench.attention.backend import auto_reason, check_backend
 from workbench.config import EngineConfig
 from workbench.executor import make_executor
 from workbench.inputs import Prompt, check_true_output_len, prompt_refusal, tokenize_prompt
@@ -97,7 +97,8 @@ class LLMEngine:
         )
         ex.init_cache(self.memory.num_blocks, num_cpu_blocks)
         if backend := getattr(ex, "attn_backend", None):  # what attention_backend resolved to (auto: see its table)
-            log.info("attention backend %s (attention_backend=%s)", backend.name, config.attention_backend)
+            why = "" if config.attention_backend != "auto" else ": " + auto_reason(backend.name, ex.device, config.kv_torch_dtype)
+            log.info("attention backend %s (attention_backend=%s%s)", backend.name, config.attention_backend, why)
         #: the KV pool's split, step by step, settled when requests release their blocks
         self.accounting = PoolAccounting(self.kv)
         self.defrag = Defragmenter.from_config(config, self.kv, self.memory.block_bytes, self.accounting)

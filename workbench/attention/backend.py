@@ -97,6 +97,19 @@ def resolve_backend(name: str, device: torch.device | str, kv_dtype: torch.dtype
     return "torch"
 
 
+def auto_reason(resolved: str, device: torch.device | str, kv_dtype: torch.dtype | None) -> str:
+    """Why ``"auto"`` resolved to ``resolved`` (for the start-up log line)."""
+    if resolved == "triton":
+        return "CUDA with Triton installed"
+    if resolved == "cpu":
+        return "a bfloat16 KV cache on the CPU, g++ and ninja found"
+    if torch.device(device).type == "cpu" and kv_dtype == torch.bfloat16:
+        from workbench.kernels.cpu_attention import toolchain_missing
+
+        return f"the C++ kernel cannot be built: {toolchain_missing() or 'its build failed'}"
+    return f"the reference for a {str(kv_dtype).removeprefix('torch.')} KV cache on {torch.device(device).type}"
+
+
 def get_backend(name: str = "auto", device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None):
     """The backend object for ``name`` on ``device`` (``kv_dtype``: see :func:`resolve_backend`); raises
     ``ValueError`` if it cannot run here (see :func:`check_backend`). ``"auto"`` whose C++ kernel fails to build
