@@ -1,4 +1,5 @@
-"""Every Triton kernel equals its PyTorch reference, run in Triton's interpreter on CPU tensors.
+"""Every Triton kernel equals its PyTorch reference: in Triton's interpreter on CPU tensors, and compiled on
+a CUDA GPU when the machine has one (the same grids; ``dev`` is ``cpu`` and, with CUDA, ``cuda``).
 
 Grids: block sizes 1, 8, 16, 32; GQA ratios 1, 3, 8; head dims 64 and 128; context lengths 1,
 block_size - 1, block_size, block_size + 1 and a few hundred, mixed in one batch; block tables
@@ -37,6 +38,15 @@ from workbench.kernels.prefill_attention import paged_prefill_attention, paged_p
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+#: CPU tensors run the kernels in the interpreter, CUDA tensors compiled (CI has no GPU: cpu only)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+on_devices = pytest.mark.parametrize("dev", DEVICES)
+
+
+def to(dev: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(dev) for t in tensors]
+
+
 LONG = 300  # "a few hundred" tokens
 
 
@@ -88,12 +98,14 @@ def assert_close(got, ref, dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("bs", [1, 8, 16, 32])
-def test_decode_matches_reference_fp32(bs, group, head_dim, variant):
+@on_devices
+def test_decode_matches_reference_fp32(dev, bs, group, head_dim, variant):
     ctx = context_lengths(bs)
     nkv = kv_heads(group)
     kc, vc, tables, _, _ = paged_cache(ctx, bs, nkv, head_dim, torch.float32, seed=bs * 31 + group)
     q = torch.randn(len(ctx), nkv * group, head_dim, generator=torch.Generator().manual_seed(1))
     lens = torch.tensor(ctx)
+    kc, vc, tables, q, lens = to(dev, kc, vc, tables, q, lens)
     scale = head_dim**-0.5
     # split: 64-token partitions of two 32-key tiles, so LONG spans 5 partitions and bs+1 may straddle two
     extra = dict(partition_size=64, block_n=32) if variant == "split" else dict(partition_size=0)
@@ -104,12 +116,14 @@ def test_decode_matches_reference_fp32(bs, group, head_dim, variant):
 
 @pytest.mark.parametrize("variant", ["single", "split"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_half_precision(dtype, variant):
+@on_devices
+def test_decode_half_precision(dev, dtype, variant):
     bs, group, d = 16, 3, 128
     ctx = context_lengths(bs)
     kc, vc, tables, _, _ = paged_cache(ctx, bs, 1, d, dtype, seed=5)
     q = torch.randn(len(ctx), group, d, generator=torch.Generator().manual_seed(2)).to(dtype)
     lens = torch.tensor(ctx)
+    kc, vc, tables, q, lens = to(dev, kc, vc, tables, q, lens)
     extra = dict(partition_size=64) if variant == "split" else dict(partition_size=0)
     got = paged_decode_attention(q, kc, vc, tables, lens, d**-0.5, **extra)
     assert got.dtype == dtype
@@ -118,7 +132,7 @@ def test_decode_half_precision(dtype, variant):
 
 
 def test_decode_automatic_variant_and_output_slice():
-    """partition_size=None picks split-KV for few long sequences; ``out`` may be a row slice; int64 tables."""
+    """partition_size=None (the automatic choice); ``out`` may be a row slice; int64 tables."""
     ctx = [1200, 7]
     kc, vc, tables, _, _ = paged_cache(ctx, 16, 2, 64, torch.float32, seed=9)
     q = torch.randn(2, 4, 64)
@@ -127,6 +141,14 @@ def test_decode_automatic_variant_and_output_slice():
     assert got.data_ptr() == big[1].data_ptr()
     assert (big[0] == 7).all() and (big[3:] == 7).all()
     assert_close(big[1:3], paged_decode_attention_ref(q, kc, vc, tables, torch.tensor(ctx), 0.125), torch.float32)
+
+
+def test_split_kv_is_chosen_for_few_long_contexts():
+    from workbench.kernels.paged_attention import SPLIT_KV_MIN_PARTITIONS, use_split_kv
+
+    cpu, long = torch.device("cpu"), SPLIT_KV_MIN_PARTITIONS * 512
+    assert use_split_kv(1, 8, long, cpu) and not use_split_kv(1, 8, long - 1, cpu)
+    assert not use_split_kv(4096, 8, 10 * long, cpu)  # enough programs for every SM already
 
 
 def test_decode_rejects_bad_shapes():
@@ -156,25 +178,29 @@ PREFILL_GRID = [(bs, g, d) for bs in (1, 8, 16, 32) for g in (1, 3, 8) for d in 
 
 
 @pytest.mark.parametrize(("bs", "group", "head_dim"), PREFILL_GRID)
-def test_prefill_matches_reference_fp32(bs, group, head_dim):
+@on_devices
+def test_prefill_matches_reference_fp32(dev, bs, group, head_dim):
     qlens, ctx = prefill_batch(bs)
     nkv = kv_heads(group)
     kc, vc, tables, _, _ = paged_cache(ctx, bs, nkv, head_dim, torch.float32, seed=bs + 7 * group)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
     q = torch.randn(int(qsl[-1]), nkv * group, head_dim, generator=torch.Generator().manual_seed(3))
     lens = torch.tensor(ctx)
+    kc, vc, tables, qsl, q, lens = to(dev, kc, vc, tables, qsl, q, lens)
     got = paged_prefill_attention(q, kc, vc, tables, qsl, lens, head_dim**-0.5, max_query_len=max(qlens))
     ref = paged_prefill_attention_ref(q, kc, vc, tables, qsl, lens, head_dim**-0.5)
     assert_close(got, ref, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prefill_half_precision(dtype):
+@on_devices
+def test_prefill_half_precision(dev, dtype):
     qlens, ctx = prefill_batch(16)
     kc, vc, tables, _, _ = paged_cache(ctx, 16, 2, 64, dtype, seed=4)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), 4, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
     lens = torch.tensor(ctx, dtype=torch.int32)
+    kc, vc, tables, qsl, q, lens = to(dev, kc, vc, tables, qsl, q, lens)
     got = paged_prefill_attention(q, kc, vc, tables, qsl, lens, 0.125, max_query_len=max(qlens))
     ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), tables, qsl, lens, 0.125)
     assert_close(got, ref, dtype)
@@ -197,14 +223,16 @@ def test_prefill_without_max_query_len_and_the_decode_case():
     [(1, torch.float32, torch.float32), (8, torch.float16, torch.float16), (16, torch.float32, torch.bfloat16),
      (32, torch.float32, torch.float32)],
 )  # fmt: skip
-def test_reshape_and_cache_matches_reference(bs, src_dtype, cache_dtype):
+@on_devices
+def test_reshape_and_cache_matches_reference(dev, bs, src_dtype, cache_dtype):
     g = torch.Generator().manual_seed(bs)
     nb, nkv, d, n = 12, 3, 64, 11
-    qkv = torch.randn(n, 5, nkv, d, generator=g).to(src_dtype)
+    qkv = torch.randn(n, 5, nkv, d, generator=g).to(dev, src_dtype)
     k, v = qkv[:, 1], qkv[:, 3]  # strided views, as the model's split of the fused QKV projection gives
     slots = torch.randperm(nb * bs, generator=g)[:n]
     slots[4] = -1  # padding: skipped
-    caches = [torch.randn(nb, bs, nkv, d, generator=g).to(cache_dtype) for _ in range(2)]
+    slots = slots.to(dev)
+    caches = [torch.randn(nb, bs, nkv, d, generator=g).to(dev, cache_dtype) for _ in range(2)]
     refs = [c.clone() for c in caches]
     reshape_and_cache(k, v, caches[0], caches[1], slots)
     reshape_and_cache_ref(k, v, refs[0], refs[1], slots)
@@ -217,21 +245,23 @@ def test_reshape_and_cache_matches_reference(bs, src_dtype, cache_dtype):
 
 @pytest.mark.parametrize("bs", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_copy_gather_scatter_match_reference(bs, dtype):
+@on_devices
+def test_copy_gather_scatter_match_reference(dev, bs, dtype):
     g = torch.Generator().manual_seed(bs)
-    cache = torch.randn(2, 12, bs, 2, 64, generator=g).to(dtype)
+    cache = torch.randn(2, 12, bs, 2, 64, generator=g).to(dev, dtype)
     ref = cache.clone()
-    src, dst = torch.tensor([3, 0, 7]), torch.tensor([5, 11, 1])
+    src, dst = torch.tensor([3, 0, 7], device=dev), torch.tensor([5, 11, 1], device=dev)
     copy_blocks(cache, src, dst)
     copy_blocks_ref(ref, src, dst)
     assert torch.equal(cache, ref)
     copy_blocks(cache, src[:0], dst[:0])  # no pairs: nothing happens
     assert torch.equal(cache, ref)
-    packed = gather_blocks(cache, torch.tensor([9, 2]))
-    assert packed.shape == (2, 2, bs, 2, 64) and torch.equal(packed, gather_blocks_ref(cache, torch.tensor([9, 2])))
+    picked, put = torch.tensor([9, 2], device=dev), torch.tensor([4, 6], device=dev)
+    packed = gather_blocks(cache, picked)
+    assert packed.shape == (2, 2, bs, 2, 64) and torch.equal(packed, gather_blocks_ref(cache, picked))
     host = packed.clone()  # as swapping moves it to host memory and back
-    scatter_blocks(host, cache, torch.tensor([4, 6]))
-    scatter_blocks_ref(host, ref, torch.tensor([4, 6]))
+    scatter_blocks(host, cache, put)
+    scatter_blocks_ref(host, ref, put)
     assert torch.equal(cache, ref)
 
 
@@ -264,6 +294,8 @@ print("ok")
 def test_kernels_compile_for_a_cuda_gpu():
     """The interpreter checks results, not compilation: compile every kernel to a cubin for sm_90 (H100/H200),
     without a GPU (Triton ships ptxas), in a process where Triton is in compiled mode."""
-    r = _run("from workbench.kernels.aot import main; main(['--arch', '90', '--dtype', 'fp16', '--head-dim', '64'])", {})
+    r = _run(
+        "from workbench.kernels.aot import main; main(['--arch', '90', '--dtype', 'fp16', '--head-dim', '64'])", {}
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sm_90 fp16: 6 kernels compiled" in r.stdout

@@ -17,7 +17,10 @@ float32 logits for up to ``max_num_seqs`` rows) while the peak of the memory it 
 is measured — on CUDA with ``torch.cuda.max_memory_allocated``; on CPU, where PyTorch keeps
 no allocator statistics, by :class:`LiveTensorBytes`, which follows every tensor the forward
 creates and frees (a ``TorchDispatchMode``). On CUDA, memory used outside PyTorch (the CUDA
-context, NCCL; NVML's used − PyTorch's reserved) is subtracted too. Communication buffers
+context, NCCL, other processes; the device's used − PyTorch's reserved) is subtracted too, and so
+is what PyTorch already held in this process before the profile besides the weights (other
+tensors, another engine, cuBLAS's workspace once a matmul has run: 32 MiB on an H200 with torch
+2.11, measured by ``tests/test_cuda.py``), as vLLM's profiler starts from a baseline snapshot. Communication buffers
 are 0 on one device; under tensor parallelism they are measured on CUDA and modelled elsewhere
 (:mod:`workbench.executor.tensor_parallel`, :func:`workbench.comm.nccl_buffer_bytes`), and every
 figure is one rank's (its shard of the weights, its KV heads).
@@ -243,7 +246,10 @@ class MemoryBudget:
         weights_bytes: the model's parameters.
         activation_bytes: profiled peak of one forward at ``max_num_batched_tokens`` (0 when a
             bypass set the pool size).
-        non_torch_bytes: CUDA memory used outside PyTorch (context, NCCL) at startup; 0 on CPU.
+        non_torch_bytes: CUDA memory used outside PyTorch (context, NCCL, other processes) at
+            startup; 0 on CPU.
+        other_torch_bytes: CUDA memory PyTorch already held in this process before the profile run,
+            besides the weights (other tensors, another engine, cuBLAS's workspace); 0 on CPU.
         comm_buffer_bytes: communication buffers (0 on one device).
         kv_budget_bytes: what is left for the KV pool.
         source: ``"cpu device_memory"``, ``"cuda"``, ``"kv_cache_memory_bytes"`` or
@@ -264,6 +270,7 @@ class MemoryBudget:
     source: str
     non_torch_bytes: int = 0
     device_name: str = "cpu"
+    other_torch_bytes: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -292,6 +299,8 @@ class MemoryBudget:
             else "activations not profiled"
         )
         other = f" | outside torch {self.non_torch_bytes / mib:,.1f} MiB" if self.non_torch_bytes else ""
+        if self.other_torch_bytes:
+            other += f" | other torch tensors {self.other_torch_bytes / mib:,.1f} MiB"
         return (
             f"memory budget ({self.source}): capacity {self.capacity_bytes / mib:,.0f} MiB x "
             f"{self.gpu_memory_utilization} | weights {self.weights_bytes / mib:,.1f} MiB | "
@@ -339,6 +348,7 @@ def plan_memory(
     max_model_len: int,
     activation_bytes: int = 0,
     comm_buffer_bytes: int = 0,
+    other_torch_bytes: int = 0,
     num_gpu_blocks_override: int | None = None,
     kv_cache_memory_bytes: int | None = None,
     tensor_parallel_size: int = 1,
@@ -346,12 +356,14 @@ def plan_memory(
     """Compute the budget and the number of KV blocks.
 
     ``KV budget = capacity x gpu_memory_utilization - weights - activation peak - memory used
-    outside PyTorch - communication buffers``; ``num_blocks = KV budget // block bytes``.
+    outside PyTorch - other PyTorch tensors - communication buffers``;
+    ``num_blocks = KV budget // block bytes``.
     ``kv_cache_memory_bytes`` (then ``num_blocks = it // block bytes``) and
     ``num_gpu_blocks_override`` bypass it (vLLM's engine arguments of the same names).
 
     Args:
         activation_bytes: the profiled peak (:func:`profile_activation_peak`).
+        other_torch_bytes: CUDA bytes PyTorch held before the profile besides the weights (0 on CPU).
 
     Raises:
         ValueError: the budget leaves no room for KV, or the pool cannot hold one
@@ -363,6 +375,7 @@ def plan_memory(
     capacity, outside, name = device_capacity(device, device_memory)
     source = "cuda" if device.type == "cuda" else "cpu device_memory"
     act = activation_bytes
+    outside += other_torch_bytes  # both are in use and not the engine's: subtracted alike
     budget = int(capacity * gpu_memory_utilization) - weights_bytes - act - outside - comm_buffer_bytes
     mib = 1 << 20
     if num_gpu_blocks_override is not None:
@@ -404,7 +417,8 @@ def plan_memory(
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         source=source,
-        non_torch_bytes=outside,
+        non_torch_bytes=outside - other_torch_bytes,
+        other_torch_bytes=other_torch_bytes,
         device_name=name,
     )
     if mb.kv_pool_tokens < max_model_len:
@@ -505,6 +519,9 @@ def engine_budget(
     if device_memory is None and device.type == "cpu":
         device_memory = c.DEFAULT_CPU_DEVICE_MEMORY
     activation = 0
+    # what PyTorch holds already besides the weights, before the profile (which may add cuBLAS's workspace
+    # and count it as activation): subtracted once, from this baseline, as vLLM's memory profiler does
+    other_torch = max(0, torch.cuda.memory_allocated(device) - weights_bytes) if device.type == "cuda" else 0
     if c.num_gpu_blocks_override is None and c.kv_cache_memory_bytes is None:
         activation = profile(max_num_batched_tokens, max_model_len, c.max_num_seqs, c.block_size)
     return plan_memory(
@@ -521,6 +538,7 @@ def engine_budget(
         kv_cache_memory_bytes=c.kv_cache_memory_bytes,
         tensor_parallel_size=c.tensor_parallel_size,
         comm_buffer_bytes=comm_buffer_bytes,
+        other_torch_bytes=other_torch,
     )
 
 

@@ -40,6 +40,8 @@ __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "DEFAULT_PART
 
 #: Tokens per partition of the split-KV variant (vLLM's ``PARTITION_SIZE`` for v2 is 512).
 DEFAULT_PARTITION_SIZE = 512
+#: fewest partitions a context must span before split-KV pays for its second (reduce) launch (:func:`use_split_kv`)
+SPLIT_KV_MIN_PARTITIONS = 8
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e)), exp2 is one instruction
 
 
@@ -220,10 +222,15 @@ def use_split_kv(
     device: torch.device,
     partition_size: int = DEFAULT_PARTITION_SIZE,
 ) -> bool:
-    """The variant choice: split-KV when contexts span several partitions and the single-pass grid
-    (``num_seqs * num_kv_heads`` programs) would leave most SMs idle (fewer than two programs per SM).
-    vLLM's rule is similar (v1 when one partition, or when ``num_seqs * num_heads > 512``)."""
-    return max_context_len > partition_size and num_seqs * num_kv_heads < 2 * _num_sms(device)
+    """The variant choice: split-KV when contexts span at least :data:`SPLIT_KV_MIN_PARTITIONS` partitions
+    and the single-pass grid (``num_seqs * num_kv_heads`` programs) would leave most SMs idle (fewer than
+    two programs per SM). vLLM's rule is similar (v1 when one partition, or when ``num_seqs * num_heads >
+    512``). The partition threshold is measured (``benchmarks/bench_kernels.py`` on an H200, 2026-12-04,
+    docs/benchmarks.md): at 2,048 tokens (4 partitions) split-KV was slower in 8 of 9 batch x block-size
+    rows, from 8,192 (16) it won or tied in every row that passed the SM test."""
+    return max_context_len >= SPLIT_KV_MIN_PARTITIONS * partition_size and num_seqs * num_kv_heads < 2 * _num_sms(
+        device
+    )
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens, num_seqs: int) -> None:

@@ -3,7 +3,7 @@ as rows, a stacked bar and the run report's "Memory budget" section.
 
 The input is a memory budget as the run records it (``MemoryBudget.to_dict()``, the ``memory`` of a
 run folder's ``config.json``): ``capacity_bytes``, ``gpu_memory_utilization``, ``weights_bytes``,
-``activation_bytes``, ``comm_buffer_bytes``, ``non_torch_bytes``, ``kv_pool_bytes``, ``num_blocks``,
+``activation_bytes``, ``comm_buffer_bytes``, ``non_torch_bytes`` (and ``other_torch_bytes`` on CUDA), ``kv_pool_bytes``, ``num_blocks``,
 ``block_size`` (tokens), ``kv_bytes_per_token``, ``block_bytes``, ``kv_pool_tokens``,
 ``max_model_len``, ``max_concurrency``, ``source`` and ``device_name``. The names of the parts are
 chapter 1's (:func:`workbench.labs.chapters.budget_table` uses these rows).
@@ -37,11 +37,14 @@ def budget_rows(memory: Mapping[str, Any]) -> list[tuple[str, int]]:
     ``1 − gpu_memory_utilization`` holds back."""
     usable = int(memory["capacity_bytes"] * memory["gpu_memory_utilization"])
     budgeted = memory.get("source", "cuda") in _ACTIVATIONS_HOW  # else a bypass set the pool's size
+    outside = ("outside PyTorch", memory.get("non_torch_bytes", 0))
+    if memory.get("other_torch_bytes"):  # CUDA: tensors this process held before the engine's profile
+        outside = ("outside PyTorch + other PyTorch tensors", outside[1] + memory["other_torch_bytes"])
     parts = [
         ("weights", memory["weights_bytes"]),
         ("activations (profiled peak)", memory["activation_bytes"]),
         ("communication buffers", memory["comm_buffer_bytes"]),
-        ("outside PyTorch", memory.get("non_torch_bytes", 0)),
+        outside,
         ("KV pool (whole blocks)", memory["kv_pool_bytes"]),
     ]
     left = "left: part of a block" if budgeted else "left: unused"
