@@ -8,9 +8,14 @@
 #   bash benchmarks/gpu_check.sh [OUT_DIR]        # default runs/gpu; a junit XML, logs and kernels.json land there
 set -u
 OUT_DIR=${1:-runs/gpu}
-mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: $PY has no CUDA device (torch.cuda.is_available() is False, or torch is missing): run this on a GPU" \
+       "machine; without one the GPU tests skip in the normal suite (make test)" >&2
+  exit 2
+fi
+mkdir -p "$OUT_DIR"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT_DIR/gpu.txt"
 $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0))" | tee -a "$OUT_DIR/gpu.txt"
 echo "== device memory outside PyTorch in a fresh process (CUDA context; after a first matmul, cuBLAS too)"
