@@ -9,6 +9,9 @@ CPU, with the same thread count:
 * ``engine-torch-attn``: the same engine with ``attention_backend="torch"`` (the PyTorch reference's gather +
   SDPA for decode), the same-run baseline of what ``auto`` picks on a CPU in bfloat16 (the C++ decode kernel of
   ``workbench/kernels/cpu_attention.py``); in float32 ``auto`` is the reference already and the two rows agree.
+* ``engine-eager-glue``: the same engine with the layer glue (RMSNorm, RoPE, SiLU * up) as eager torch ops
+  (``WORKBENCH_CPU_LAYER_OPS=0`` while it is built), the same-run baseline of the C++ glue of
+  ``workbench/kernels/cpu_layer_ops.py`` that a bfloat16 model takes on a CPU; in float32 the rows agree.
 * ``hf-static``: ``model.generate`` over left-padded batches of ``--hf-batch-size`` prompts, in
   prompt order. Padding waste: each batch is padded to its longest prompt, so the prefill computes
   the pad positions too, and the pad positions stay in every sequence's KV cache and in every
@@ -97,7 +100,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHAREGPT_500 = REPO.parent / "shared" / "data" / "sharegpt" / "ShareGPT_V3_filtered_500.json"
-SYSTEMS = ("engine", "engine-torch-attn", "hf-static", "hf-cb", "vllm")
+SYSTEMS = ("engine", "engine-torch-attn", "engine-eager-glue", "hf-static", "hf-cb", "vllm")
 DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_VLLM_VENV = REPO / "runs" / "bench" / "vllm-venv"
 DEFAULT_OUT = REPO / "runs" / "bench" / "offline_throughput.json"
@@ -700,6 +703,14 @@ def main(argv=None) -> int:
     llm_ref = None
     if "engine-torch-attn" in args.systems:
         llm_ref = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype, attention_backend="torch")
+    llm_eager = None
+    if "engine-eager-glue" in args.systems:
+        saved = os.environ.get("WORKBENCH_CPU_LAYER_OPS")
+        os.environ["WORKBENCH_CPU_LAYER_OPS"] = "0"  # read when the model is built
+        try:
+            llm_eager = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype)
+        finally:
+            os.environ.pop("WORKBENCH_CPU_LAYER_OPS") if saved is None else os.environ.update(WORKBENCH_CPU_LAYER_OPS=saved)
     hf_config = eng.hf_config
     tokenizer = eng.tokenizer
     prompts, prompt_info = load_token_prompts(tokenizer, args.num_prompts, args.max_prompt_len, args.dataset)
@@ -737,6 +748,8 @@ def main(argv=None) -> int:
             return run_engine(llm, ps, max_tokens)
         if system == "engine-torch-attn":
             return run_engine(llm_ref, ps, max_tokens)
+        if system == "engine-eager-glue":
+            return run_engine(llm_eager, ps, max_tokens)
         if system == "hf-static":
             return run_hf_static(model, ps, max_tokens, args.hf_batch_size, pad_id)
         gen = cb_gen

@@ -137,22 +137,30 @@ def _prefill_logits(llm, prompts) -> torch.Tensor:
 def test_bfloat16_logits_stay_within_the_bound_of_float32_and_agree_with_transformers_bfloat16(
     bf16_llm, hf_models, chat_ids
 ):
+    """With the C++ layer glue (workbench/kernels/cpu_layer_ops.py; the eager glue is bit for bit transformers'
+    bfloat16) the engine rounds in places of its own: its logits are a few bfloat16 steps (0.125 at logits of
+    16-32) from transformers' bfloat16 ones, and no further from float32's than transformers' own bfloat16 are
+    (measured on 12-04: 0.378 against 0.364 on average over the 16 prompts, at most 0.595 against 0.569)."""
     got = _prefill_logits(bf16_llm, chat_ids)
     flips = 0
+    errs, hf_errs = [], []
     for row, p in zip(got, chat_ids):
         with torch.no_grad():
             ref32 = hf_models[torch.float32](torch.tensor([p])).logits[0, -1].float()
             ref16 = hf_models[torch.bfloat16](torch.tensor([p])).logits[0, -1].float()
-        # the same computation as transformers' in bfloat16, up to a few bfloat16 steps (0.125 at logits of 16-32):
-        # batched and chunked prefills round in another order
-        assert (row - ref16).abs().max().item() <= 0.5
+        assert (row - ref16).abs().max().item() <= 1.0  # eight steps: rounded elsewhere, over 30 layers
         err = (row - ref32).abs().max().item()
+        errs.append(err)
+        hf_errs.append((ref16 - ref32).abs().max().item())
         assert err <= MAX_LOGIT_ERROR, f"bfloat16 logits {err:.3f} from float32's (bound {MAX_LOGIT_ERROR})"
         if row.argmax() != ref32.argmax():  # a different first token only where float32's top two are that close
             flips += 1
             top2 = ref32.topk(2).values
             assert (top2[0] - top2[1]).item() <= 2 * MAX_LOGIT_ERROR
     assert flips <= NUM_PROMPTS // 4
+    # as accurate as transformers' bfloat16: on average over the prompts, and at worst
+    assert sum(errs) <= 1.25 * sum(hf_errs), f"mean error {sum(errs) / len(errs):.3f} vs transformers' {sum(hf_errs) / len(hf_errs):.3f}"
+    assert max(errs) <= 1.25 * max(hf_errs)
 
 
 def test_bfloat16_greedy_batch_equals_transformers_bfloat16_up_to_near_ties(bf16_llm, hf_models, chat_ids):

@@ -144,3 +144,68 @@ def test_the_benchmark_script_runs_and_checks_agreement(capsys):
     bench.main(["--num-seqs", "3", "--context", "40", "--num-blocks", "32", "--calls", "2"])
     out = capsys.readouterr().out
     assert "| cpu (C++ kernel) |" in out and "reference / kernel, medians:" in out and "(bound 0.01)" in out
+
+
+# ---------------------------------------------------------------- the layer glue in C++ (cpu_layer_ops)
+def _steps_apart(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16 results equal, except where a float32 sum or exp taken in another order tips a rounding: then one
+    bfloat16 step, or two where a product follows the tipped rounding (SiLU(gate) rounded, then times up)."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    step = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert ((got.float() - want.float()).abs() <= 2 * step * 1.01).all()
+    assert (got == want).float().mean().item() > 0.99  # and almost every element is exactly the eager one
+
+
+@needs_toolchain
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_the_layer_ops_equal_the_eager_ops(tokens):
+    from workbench.kernels import cpu_layer_ops
+    from workbench.model.llama import RMSNorm, apply_rotary
+
+    g = torch.Generator().manual_seed(tokens)
+    x = (torch.randn(tokens, 576, generator=g) * 3).bfloat16()
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
+        _steps_apart(cpu_layer_ops.rms_norm(x, norm.weight, 1e-5), norm(x))
+
+    gate_up = (torch.randn(tokens, 2 * 1536, generator=g) * 4).bfloat16()
+    gate, up = gate_up.split(1536, dim=-1)
+    _steps_apart(cpu_layer_ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+    # RoPE on the q and k heads of a fused QKV output: a view whose rows are wider than its heads
+    qkv = torch.randn(tokens, (9 + 3 + 3) * 64, generator=g).bfloat16()
+    qk = qkv[:, : 12 * 64].view(tokens, 12, 64)
+    angle = torch.rand(tokens, 1, 64, generator=g) * 6.3
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    got = cpu_layer_ops.rotary(qk, cos, sin)
+    assert torch.equal(got, apply_rotary(qk, cos, sin))  # the same roundings, in the same order: bit for bit
+
+
+@needs_toolchain
+def test_a_bfloat16_model_takes_the_layer_ops_and_stays_within_rounding(tiny_model, monkeypatch):
+    """bfloat16 on the CPU: every RMSNorm, attention and MLP module gets the C++ ops; float32 and
+    ``WORKBENCH_CPU_LAYER_OPS=0`` keep the eager ones. The model's distribution with them (teacher-forced
+    log-probabilities of every prompt token) is the eager bfloat16 one's, to within bfloat16's rounding."""
+    monkeypatch.setenv("WORKBENCH_CPU_BFLOAT16", "1")
+    ps = [[random.Random(i).randrange(2, 250) for _ in range(30 + 7 * i)] for i in range(5)]
+    sp = SamplingParams(max_tokens=4, prompt_logprobs=0, ignore_eos=True)
+    args = dict(model=str(tiny_model), block_size=8, max_model_len=128, num_gpu_blocks_override=64)
+
+    def run(**kw):
+        llm = LLM(**args, **kw)
+        fused = [m.fused_ops is not None for m in llm.llm_engine.model.modules() if hasattr(m, "fused_ops")]
+        outs = llm.generate(ps, sp)
+        lps = torch.tensor([next(iter(p.values())).logprob for o in outs for p in o.prompt_logprobs[1:]])
+        return fused, lps, [o.outputs[0].token_ids for o in outs]
+
+    fused, with_ops, tokens = run(dtype="bfloat16")
+    assert fused and all(fused)
+    monkeypatch.setenv("WORKBENCH_CPU_LAYER_OPS", "0")
+    eager_fused, eager, eager_tokens = run(dtype="bfloat16")
+    assert not any(eager_fused)
+    f32_fused, ref, _ = run(dtype="float32")
+    assert not any(f32_fused)
+    assert (with_ops - eager).abs().max().item() <= 0.05
+    assert (with_ops - ref).abs().max().item() <= 2 * (eager - ref).abs().max().item() + 1e-2
+    assert sum(a == b for a, b in zip(tokens, eager_tokens)) >= 4  # greedy tokens: a near-tie may part one

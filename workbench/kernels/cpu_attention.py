@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+#: every source of the extension: the attention kernel, and the layer glue of :mod:`workbench.kernels.cpu_layer_ops`
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_layer_ops.cpp"))
 
 
 def toolchain_missing() -> str | None:
@@ -37,7 +39,8 @@ def _extension_name() -> str:
     from workbench.cpu_dtype import _cpu_flags
 
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    for src in SOURCES:
+        digest.update(src.read_bytes())
     digest.update(" ".join(sorted(_cpu_flags())).encode())
     digest.update(torch.__version__.encode())
     return f"workbench_cpu_attention_{digest.hexdigest()[:12]}"
@@ -57,7 +60,7 @@ def load():
 
     return build(
         name=_extension_name(),
-        sources=[str(SOURCE)],
+        sources=[str(src) for src in SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
         extra_ldflags=["-fopenmp"],
         verbose=False,

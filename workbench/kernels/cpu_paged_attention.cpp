@@ -232,7 +232,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 }  // namespace
 
+void register_layer_ops(pybind11::module& m);  // cpu_layer_ops.cpp, built into the same extension
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_layer_ops(m);
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention on the CPU (see the file's head)");
   m.attr("bf16_dot_product") = kHaveBf16Dot;
 }

@@ -35,12 +35,18 @@ from workbench.model.parallel import (
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 as HF's LlamaRMSNorm."""
 
+    #: bfloat16 on a CPU: the C++ ops of :mod:`workbench.kernels.cpu_layer_ops` (one pass for the four ops below);
+    #: ``None`` (the default, and always in float32): the eager ops. Set by ``use_cpu_layer_ops``.
+    fused_ops = None
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None:
+            return self.fused_ops.rms_norm(x, self.weight, self.eps)
         # torch.rms_norm is x * rsqrt(mean(x^2) + eps) in one kernel (bit-identical to the three ops in float32)
         y = torch.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * y.to(x.dtype)
@@ -81,6 +87,8 @@ class RotaryEmbedding(nn.Module):
 class LlamaAttention(nn.Module):
     """Grouped-query attention; under TP only this rank's heads (local ``num_heads``, ``num_kv_heads``)."""
 
+    fused_ops = None  # as RMSNorm's: the C++ RoPE in bfloat16 on a CPU
+
     def __init__(self, config, tp: TensorParallelGroup) -> None:
         super().__init__()
         n = tp.world_size
@@ -99,7 +107,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads sit side by side in the fused output: one rotation for both
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        rotate = apply_rotary if self.fused_ops is None else self.fused_ops.rotary
+        q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = meta.backend or TORCH_BACKEND  # the PyTorch reference or the Triton kernels
         attn.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
@@ -110,6 +119,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU; under tensor parallelism this rank's ``intermediate_size / N`` features."""
 
+    fused_ops = None  # as RMSNorm's: the C++ SiLU(gate) * up in bfloat16 on a CPU
+
     def __init__(self, config, tp: TensorParallelGroup) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
@@ -118,6 +129,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, tp)
 
     def forward(self, x):
+        if self.fused_ops is not None:
+            return self.down_proj(self.fused_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

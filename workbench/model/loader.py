@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from workbench.catalog import BUNDLED_MODEL, is_bundled_model
+from workbench.kernels import cpu_layer_ops
 from workbench.model.cpu_pack import can_prepack, prepack_linears
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.parallel import shard_hf_state_dict
@@ -290,6 +291,9 @@ def build_model(hf_config, state_dict: dict, max_model_len: int, dtype: torch.dt
     model.rotary.float()
     if can_prepack(dtype, device):  # bfloat16 on CPU: weights in oneDNN's layout, reordered once (cpu_pack)
         prepack_linears(model)
+    if cpu_layer_ops.enabled(dtype, device):  # bfloat16 on CPU: RMSNorm, RoPE, SiLU * up in C++
+        cpu_layer_ops.use_cpu_layer_ops(model)
+        log.info("layer glue in C++: RMSNorm, RoPE, SiLU * up (bfloat16 on the CPU; WORKBENCH_CPU_LAYER_OPS=0: eager ops)")
     return model
 
 
