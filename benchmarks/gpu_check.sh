@@ -10,9 +10,13 @@ set -u
 OUT_DIR=${1:-runs/gpu}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "gpu_check: $PY has no CUDA device (torch.cuda.is_available() is False, or torch is missing): run this on a GPU" \
-       "machine; without one the GPU tests skip in the normal suite (make test)" >&2
+if ! $PY -c "import torch" 2>/dev/null; then
+  echo "gpu_check: $PY cannot import torch; name a Python that has torch, triton and transformers: PYTHON=/path/to/python bash $0" >&2
+  exit 2
+fi
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: $PY's torch sees no CUDA device (torch.cuda.is_available() is False): run this on a GPU machine;" \
+       "without one the GPU tests skip in the normal suite (make test)" >&2
   exit 2
 fi
 mkdir -p "$OUT_DIR"

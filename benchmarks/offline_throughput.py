@@ -699,7 +699,7 @@ def main(argv=None) -> int:
     eng = llm.llm_engine
     if eng.config.torch_dtype != run_dtype:
         raise SystemExit(f"the engine runs in {eng.config.torch_dtype}, not the resolved {run_dtype}")
-    print(f"# engine: attention backend {eng.executor.attn_backend.name}", flush=True)
+    print(f"# engine: attention backend {eng.executor.attn_backend.name}, layer glue {eng.model.layer_glue}", flush=True)
     llm_ref = None
     if "engine-torch-attn" in args.systems:
         llm_ref = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype, attention_backend="torch")

@@ -1,6 +1,7 @@
 """The memory budget: how many KV blocks the device can hold (ARCHITECTURE §3).
 
     KV budget = capacity × gpu_memory_utilization − weights − activation peak − communication buffers
+                − memory outside PyTorch − other PyTorch tensors            (the last two: CUDA only)
     num_blocks = KV budget // block bytes,   block bytes = block_size × KV bytes per token
 
 KV bytes per token = 2 (K and V) × num_hidden_layers × num_key_value_heads × head_dim ×

@@ -174,6 +174,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
 
     @property
+    def layer_glue(self) -> str:
+        """How RMSNorm, RoPE and SiLU * up run: the C++ ops (a bfloat16 model on a CPU) or eager torch ops."""
+        if self.norm.fused_ops is not None:
+            return "C++ (workbench.kernels.cpu_layer_ops: bfloat16 on the CPU; WORKBENCH_CPU_LAYER_OPS=0 for eager ops)"
+        return "eager torch ops"
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 

@@ -293,7 +293,7 @@ def build_model(hf_config, state_dict: dict, max_model_len: int, dtype: torch.dt
         prepack_linears(model)
     if cpu_layer_ops.enabled(dtype, device):  # bfloat16 on CPU: RMSNorm, RoPE, SiLU * up in C++
         cpu_layer_ops.use_cpu_layer_ops(model)
-        log.info("layer glue in C++: RMSNorm, RoPE, SiLU * up (bfloat16 on the CPU; WORKBENCH_CPU_LAYER_OPS=0: eager ops)")
+    log.info("layer glue: %s", model.layer_glue)
     return model
 
 
