@@ -40,6 +40,23 @@ inline void row_to_float(const T* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
 }
 
+// Softmax of each of ``rows`` rows of ``n`` scores, in place (max-subtracted, float32).
+inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sh = scores + r * n;
+    const float m = *std::max_element(sh, sh + n);
+    float z = 0.f;
+#pragma omp simd reduction(+ : z)
+    for (int64_t t = 0; t < n; ++t) {
+      sh[t] = std::exp(sh[t] - m);
+      z += sh[t];
+    }
+    const float inv = 1.f / z;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
+  }
+}
+
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* context_lens,
             T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -71,19 +88,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
           }
         }
       }
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        float* sh = scores.data() + hq * ctx;
-        const float m = *std::max_element(sh, sh + ctx);
-        float z = 0.f;
-#pragma omp simd reduction(+ : z)
-        for (int64_t t = 0; t < ctx; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          z += sh[t];
-        }
-        const float inv = 1.f / z;
-#pragma omp simd
-        for (int64_t t = 0; t < ctx; ++t) sh[t] *= inv;
-      }
+      softmax_rows(scores.data(), num_heads, ctx);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, ++b) {
         const T* vb = v_cache + table[b] * block_size * row;
@@ -150,19 +155,7 @@ void decode_bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k_cache, const
           }
         }
       }
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        float* sh = scores.data() + hq * ctx;
-        const float m = *std::max_element(sh, sh + ctx);
-        float z = 0.f;
-#pragma omp simd reduction(+ : z)
-        for (int64_t t = 0; t < ctx; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          z += sh[t];
-        }
-        const float inv = 1.f / z;
-#pragma omp simd
-        for (int64_t t = 0; t < ctx; ++t) sh[t] *= inv;
-      }
+      softmax_rows(scores.data(), num_heads, ctx);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, ++b) {
         const c10::BFloat16* vb = v_cache + table[b] * block_size * row;
