@@ -104,3 +104,19 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(n: int, seed: int, lo: int, hi: int, shared=()) -> list[list[int]]:
+    """``n`` token-id prompts of ``lo``..``hi`` random ids (2..249, the tiny model's vocabulary), after ``shared``."""
+    import random
+
+    rng = random.Random(seed)
+    return [list(shared) + [rng.randrange(2, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy_tokens(llm, ps, n: int = 1, max_tokens: int = 10) -> list[list[list[int]]]:
+    """Each prompt's ``n`` greedy completions (EOS ignored), as token ids."""
+    from workbench import SamplingParams
+
+    outs = llm.generate(ps, SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True))
+    return [[o.token_ids for o in out.outputs] for out in outs]

@@ -9,10 +9,10 @@ with the kernel benchmark, and docs/benchmarks.md records what one such run meas
 from __future__ import annotations
 
 import gc
-import random
 
 import pytest
 import torch
+from conftest import greedy_tokens, random_prompts
 
 from workbench import LLM, SamplingParams, kernels
 
@@ -21,14 +21,8 @@ needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton
 MIB = 1 << 20
 
 
-def prompts(n, seed, lo, hi, shared=()):
-    rng = random.Random(seed)
-    return [list(shared) + [rng.randrange(2, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def greedy(llm, ps, n=1, max_tokens=12):
-    outs = llm.generate(ps, SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True))
-    return [[o.token_ids for o in out.outputs] for out in outs]
+def greedy(llm, ps, n=1):
+    return greedy_tokens(llm, ps, n=n, max_tokens=12)
 
 
 @needs_triton
@@ -44,7 +38,7 @@ def test_triton_engine_equals_torch_engine_float32(tiny_model):
     prefix from the prefix cache, then parallel sampling (copy-on-write) and swap preemption (gather and
     scatter through host memory) give the reference backend's tokens."""
     base = dict(model=str(tiny_model), device="cuda", dtype="float32")
-    ps = prompts(3, 0, 1, 50) + prompts(3, 1, 5, 20, shared=range(30, 50))
+    ps = random_prompts(3, 0, 1, 50) + random_prompts(3, 1, 5, 20, shared=range(30, 50))
     args = base | dict(
         block_size=8, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128, enable_prefix_caching=True,
         num_gpu_blocks_override=256,  # the default gpu_memory_utilization=0.9 would give each engine 0.9 of the GPU
@@ -54,7 +48,7 @@ def test_triton_engine_equals_torch_engine_float32(tiny_model):
     assert greedy(llm, ps) == ref
     assert sum(s.prefix_cache_hits for s in llm.llm_engine.recorder.steps) > 0
 
-    ps = prompts(4, 2, 10, 30)
+    ps = random_prompts(4, 2, 10, 30)
     args = base | dict(
         block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=56, num_gpu_blocks_override=16,
         preemption_mode="swap", swap_space=0.001,
@@ -72,7 +66,7 @@ def test_triton_engine_half_precision_logprobs_near_float32(tiny_model, dtype):
     """In half precision the two backends round differently, so tokens may part at near-ties; what is
     bounded is the model's distribution: every prompt token's log-probability (teacher forced, so both
     runs see the same tokens) against the float32 reference."""
-    ps = prompts(6, 3, 20, 60)
+    ps = random_prompts(6, 3, 20, 60)
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0)
     args = dict(
         model=str(tiny_model), device="cuda", block_size=16, max_model_len=128, max_num_batched_tokens=48,
@@ -123,7 +117,7 @@ def test_memory_budget_on_a_real_gpu(tiny_model):
 
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    ps = prompts(64, 4, 100, 300)
+    ps = random_prompts(64, 4, 100, 300)
     outs = llm.generate(ps, SamplingParams(max_tokens=64, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
     steps = llm.llm_engine.recorder.steps

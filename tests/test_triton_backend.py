@@ -5,14 +5,14 @@ backend selection and its errors, and the package without Triton."""
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import greedy_tokens, random_prompts
 
-from workbench import LLM, LLMEngine, SamplingParams, kernels
+from workbench import LLM, LLMEngine, kernels
 from workbench.attention import AttentionMetadata, DecodeGroup, get_backend, resolve_backend, torch_ref
 from workbench.config import EngineConfig
 
@@ -148,29 +148,21 @@ def test_triton_backend_equals_reference_on_a_mixed_step(bs, group):
 
 
 # ---------------------------------------------------------------------------- end to end
-def prompts(n, seed, lo, hi, shared=()):
-    rng = random.Random(seed)
-    return [list(shared) + [rng.randrange(2, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def greedy(llm, ps, n=1, max_tokens=10):
-    outs = llm.generate(ps, SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True))
-    return [[o.token_ids for o in out.outputs] for out in outs]
 
 
 @needs_triton
 def test_engine_greedy_tokens_equal_reference_chunked_prefill_and_prefix_caching(tiny_model):
     """Prompts of 1 to 70 tokens, a 24-token budget (long prompts arrive in chunks over cached context),
     and a shared 20-token prefix served from the prefix cache."""
-    ps = prompts(3, 0, 1, 50) + prompts(3, 1, 5, 20, shared=range(30, 50))
+    ps = random_prompts(3, 0, 1, 50) + random_prompts(3, 1, 5, 20, shared=range(30, 50))
     args = dict(
         model=str(tiny_model), block_size=8, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128,
         enable_prefix_caching=True,
     )  # fmt: skip
-    ref = greedy(LLM(attention_backend="torch", **args), ps)
+    ref = greedy_tokens(LLM(attention_backend="torch", **args), ps)
     llm = LLM(attention_backend="triton-interpret", **args)
     assert llm.llm_engine.executor.attn_backend.name == "triton-interpret"
-    assert greedy(llm, ps) == ref
+    assert greedy_tokens(llm, ps) == ref
     steps = llm.llm_engine.recorder.steps
     assert sum(s.prefix_cache_hits for s in steps) > 0
 
@@ -189,14 +181,14 @@ def test_engine_block_copies_by_triton_kernels(tiny_model, monkeypatch):
         return orig(self, gpu, cpu, swap_out, copies, swap_in)
 
     monkeypatch.setattr(TritonBackend, "copy_blocks", spy)
-    ps = prompts(4, 2, 10, 30)
+    ps = random_prompts(4, 2, 10, 30)
     args = dict(
         model=str(tiny_model), block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=56,
         num_gpu_blocks_override=16, preemption_mode="swap", swap_space=0.001,
     )  # fmt: skip
-    ref = greedy(LLM(attention_backend="torch", **args), ps, n=2, max_tokens=12)
+    ref = greedy_tokens(LLM(attention_backend="torch", **args), ps, n=2, max_tokens=12)
     llm = LLM(attention_backend="triton-interpret", **args)
-    assert greedy(llm, ps, n=2, max_tokens=12) == ref
+    assert greedy_tokens(llm, ps, n=2, max_tokens=12) == ref
     steps = llm.llm_engine.recorder.steps
     assert sum(s.swap_out_blocks for s in steps) > 0 and sum(s.cow_block_copies for s in steps) > 0
     assert sum(c[0] for c in calls) > 0 and sum(c[1] for c in calls) > 0 and sum(c[2] for c in calls) > 0
