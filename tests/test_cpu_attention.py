@@ -14,7 +14,7 @@ from workbench.attention import backend as backend_mod
 from workbench.attention import get_backend, resolve_backend
 from workbench.config import EngineConfig
 from workbench.kernels import cpu_attention
-from workbench.kernels.reference import paged_decode_attention_ref
+from workbench.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 MISSING = cpu_attention.toolchain_missing()
 REQUIRE = os.environ.get("WORKBENCH_REQUIRE_CPU_KERNEL") == "1"  # .ci/run sets it: the kernel must build there
@@ -54,6 +54,73 @@ def test_the_kernel_equals_its_reference(dtype, num_heads, num_kv_heads, block_s
         ref16 = paged_decode_attention_ref(q, kc, vc, tables, ctx, 0.125).float()
         assert (got.float() - ref32).abs().max().item() <= 1e-2
         assert (got.float() - ref32).abs().max() <= (ref16 - ref32).abs().max() + 1e-2
+
+
+# ---------------------------------------------------------------- query chunks of any length (prefill and decode)
+needs_bf16_dot = pytest.mark.skipif(
+    MISSING is not None or not cpu_attention.chunk_kernel_available(),
+    reason="the chunk kernel needs AVX512-BF16 (and a C++ toolchain) on this CPU",
+)
+
+
+def _chunks(seed, num_heads, num_kv_heads, block_size, qlens, ctxs, head_dim=64, num_blocks=96):
+    q, kc, vc, tables, _ = _case(seed, torch.bfloat16, num_heads, num_kv_heads, block_size, ctxs, head_dim, num_blocks)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(qlens), num_heads, head_dim, generator=g).bfloat16()
+    start = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
+    return q, kc, vc, tables, start, torch.tensor(ctxs)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,block_size,head_dim,qlens,ctxs",
+    [
+        (9, 3, 16, 64, [1, 1, 1], [1, 17, 300]),  # decode rows only: a one-token context, a partial last block
+        (9, 3, 16, 64, [40, 1, 333], [40, 90, 333]),  # whole prompts, a decode, a prompt longer than a tile
+        (9, 3, 16, 64, [7, 64, 2], [100, 64, 31]),  # chunks after cached context (chunked prefill, prefix hits)
+        (8, 2, 8, 64, [5, 20], [29, 20]),  # block_size 8: a 16-token group spans two blocks
+        (4, 4, 32, 128, [17, 1], [50, 70]),  # head_dim 128, multi-head, block_size 32
+        (8, 1, 4, 64, [3, 9], [9, 9]),  # multi-query, small blocks
+    ],
+)
+def test_the_chunk_kernel_equals_the_prefill_reference(num_heads, num_kv_heads, block_size, head_dim, qlens, ctxs):
+    """Causal attention of each sequence's last ``qlen`` tokens over its paged context, read from the blocks: within
+    bfloat16's rounding of the exact (float32) reference, and no worse than the bfloat16 reference's own error."""
+    q, kc, vc, tables, start, ctx = _chunks(sum(ctxs), num_heads, num_kv_heads, block_size, qlens, ctxs, head_dim)
+    got = cpu_attention.paged_attention(q, kc, vc, tables, start, ctx, 0.125)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    ref32 = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), tables, start, ctx, 0.125)
+    ref16 = paged_prefill_attention_ref(q, kc, vc, tables, start, ctx, 0.125).float()
+    err = (got.float() - ref32).abs().max().item()
+    assert err <= 1.6e-2, err
+    assert err <= (ref16 - ref32).abs().max().item() * 1.5 + 4e-3
+
+
+@needs_bf16_dot
+def test_the_chunk_benchmark_script_runs(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import cpu_chunk_attention as bench  # benchmarks/cpu_chunk_attention.py
+    finally:
+        sys.path.pop(0)
+    assert bench.main(["--lengths", "40", "--calls", "1", "--decode-seqs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| 40 |" in out and "decode / chunk" in out
+
+@needs_bf16_dot
+def test_the_chunk_kernel_refuses_bad_layouts_before_it_reads():
+    q, kc, vc, tables, start, ctx = _chunks(0, 9, 3, 16, [4, 1], [20, 30])
+    with pytest.raises(ValueError, match=r"sequence 0 has 4 query tokens but a context of 3"):
+        cpu_attention.paged_attention(q, kc, vc, tables, start, torch.tensor([3, 30]), 0.125)
+    with pytest.raises(ValueError, match=r"context of 99 tokens.*max_blocks 3 x block_size 16"):
+        cpu_attention.paged_attention(q, kc, vc, tables, start, torch.tensor([20, 99]), 0.125)
+    with pytest.raises(ValueError, match=r"query_start must run from 0 to 5"):
+        cpu_attention.paged_attention(q, kc, vc, tables, torch.tensor([0, 4, 6]), ctx, 0.125)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_attention.paged_attention(q.float(), kc.float(), vc.float(), tables, start, ctx, 0.125)
 
 
 @needs_toolchain

@@ -3,7 +3,9 @@
 The reference backend gathers each decode sequence's blocks into a padded tensor and calls SDPA; for one query token
 per sequence most of that time is the copy and a kernel shaped for long queries (``docs/benchmarks.md``, issue 17).
 This kernel reads every K/V row where it lies in the cache, as vLLM's CPU ``paged_attention_v1`` does, accumulating
-in float32. Its reference is :func:`workbench.kernels.reference.paged_decode_attention_ref`.
+in float32. Its reference is :func:`workbench.kernels.reference.paged_decode_attention_ref`. Where the CPU has
+AVX512-BF16, :func:`paged_attention` does the same for query chunks of any length in bfloat16 (prefill, chunked
+prefill over cached context, decode), with an online softmax; its reference is ``paged_prefill_attention_ref``.
 
 The source is compiled on first use with :func:`torch.utils.cpp_extension.load` (g++ and ninja; about a minute) for
 this CPU (``-march=native``), and cached under ``~/.cache/torch_extensions`` by a name that includes a digest of the
@@ -100,6 +102,76 @@ def paged_decode_attention(
         q.contiguous(), k_cache, v_cache, block_tables.to(torch.int64).contiguous(), lens, float(scale)
     )
 
+
+
+def chunk_kernel_available() -> bool:
+    """Whether :func:`paged_attention` runs here: the extension builds (or is built) and this CPU has AVX512-BF16
+    (the kernel's dot products are ``vdpbf16ps``). ``False`` where the toolchain is missing or the build fails."""
+    if toolchain_missing():
+        return False
+    try:
+        return bool(load().bf16_dot_product)
+    except Exception:  # noqa: BLE001 - a failed build: the attention backend's log says why
+        return False
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query chunk over its paged context, read from the blocks where they lie:
+    ``[num_tokens, num_heads, head_dim]`` bfloat16. Prefill, a chunk after cached context and a decode (a chunk of
+    one) are one case. Online softmax in float32 (FlashAttention, Dao et al., 2022, Algorithm 1). Its reference is
+    :func:`workbench.kernels.reference.paged_prefill_attention_ref`.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` bfloat16; head_dim 64 or 128.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` bfloat16, the chunk's K/V written.
+        block_tables: ``[num_seqs, max_blocks]`` int64.
+        query_start: ``[num_seqs + 1]`` int64, sequence ``i``'s rows are ``query_start[i] : query_start[i+1]``.
+        context_lens: ``[num_seqs]`` int64 tokens, the chunk included: its rows are the last of them.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Raises:
+        ValueError: a chunk longer than its context, a context beyond its block table, query starts that do not
+            cover ``q``, or a dtype other than bfloat16 (each names the value).
+        RuntimeError: the kernel cannot run here (:func:`chunk_kernel_available` is ``False``).
+    """
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
+        raise ValueError(f"the chunk kernel takes bfloat16 q and caches, not {q.dtype} / {k_cache.dtype}")
+    tables, starts, lens = check_chunks(q.shape[0], k_cache.shape[1], block_tables, query_start, context_lens)
+    return load().paged_attention(q.contiguous(), k_cache, v_cache, tables, starts, lens, float(scale))
+
+
+def check_chunks(
+    num_tokens: int, block_size: int, block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk layout of :func:`paged_attention` as contiguous int64 tensors, after checking that every read stays
+    inside its block table (the backend checks once per step, then calls the kernel for every layer).
+
+    Raises:
+        ValueError: as :func:`paged_attention`.
+    """
+    starts = query_start.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    s = starts.tolist()
+    if len(s) != lens.numel() + 1 or s[0] != 0 or s[-1] != num_tokens or any(b < a for a, b in zip(s, s[1:])):
+        raise ValueError(f"query_start must run from 0 to {num_tokens} (q's rows), rising, one more than context_lens")
+    cap = block_tables.shape[1] * block_size
+    for i, ctx in enumerate(lens.tolist()):
+        if ctx < s[i + 1] - s[i]:
+            raise ValueError(f"sequence {i} has {s[i + 1] - s[i]} query tokens but a context of {ctx}")
+        if ctx > cap:
+            raise ValueError(
+                f"sequence {i} has a context of {ctx} tokens, beyond its block table "
+                f"(max_blocks {block_tables.shape[1]} x block_size {block_size})"
+            )
+    return block_tables.to(torch.int64).contiguous(), starts, lens
 
 if __name__ == "__main__":  # python -m workbench.kernels.cpu_attention: build ahead of time
     import time
