@@ -13,7 +13,7 @@ Engine option ``attention_backend``:
 |---|---|
 | ``"auto"`` (default) | Triton when the device is CUDA and Triton is installed (and not forced into its interpreter); on the CPU with a bfloat16 KV cache, ``"cpu"`` where a C++ compiler and ninja exist; else PyTorch |
 | ``"torch"`` | the PyTorch reference (:mod:`workbench.attention.torch_ref`): gather + SDPA, any device |
-| ``"cpu"`` | decode rows by the C++ kernel of :mod:`workbench.kernels.cpu_attention` (built on first use), the rest by the reference; CPU only |
+| ``"cpu"`` | the C++ kernels of :mod:`workbench.kernels.cpu_attention` (built on first use): in bfloat16 with AVX512-BF16 the chunk kernel takes every row; else decode rows by the decode kernel, the rest by the reference; CPU only |
 | ``"triton"`` | the compiled Triton kernels of :mod:`kernels`; CUDA only |
 | ``"triton-interpret"`` | the same kernels in Triton's interpreter (NumPy on the CPU): slow, exact, for teaching and tests |
 """

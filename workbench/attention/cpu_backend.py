@@ -1,13 +1,17 @@
-"""The CPU backend: decode rows by the C++ kernel of :mod:`workbench.kernels.cpu_attention`, the rest by the
-PyTorch reference.
+"""The CPU backend: the C++ kernels of :mod:`workbench.kernels.cpu_attention`.
 
 Decode dominates a CPU step's attention (one query token per running sequence, every step); the reference's
-gather-then-SDPA copies each sequence's whole context per layer for it. Prefill chunks keep the reference's SDPA,
-which is shaped for them. Cache writes and block copies are the reference's."""
+gather-then-SDPA copies each sequence's whole context per layer for it. In bfloat16 on a CPU with AVX512-BF16 the
+chunk kernel (:func:`~workbench.kernels.cpu_attention.paged_attention`) takes the step's prefill chunks, whole
+prompts and chunks after cached context alike, reading K/V from the blocks (``WORKBENCH_CPU_CHUNK_KERNEL=0``: the
+reference's gather + SDPA instead); decode rows go to the decode kernel. Cache writes and block copies are the
+reference's."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 
 import torch
 
@@ -23,24 +27,50 @@ class CpuBackend:
     write_kv = staticmethod(torch_ref.write_kv)
 
     def __init__(self) -> None:
-        cpu_attention.load()
+        self._ext = cpu_attention.load()
         self._decode = cpu_attention.paged_decode_attention
+        self._chunks = bool(self._ext.bf16_dot_product) and os.environ.get("WORKBENCH_CPU_CHUNK_KERNEL", "1") != "0"
+
+    @staticmethod
+    def _chunk_layout(meta, num_tokens: int, block_size: int):
+        """The step's prefill chunks for the chunk kernel: block tables, query starts and context lengths, built and
+        checked once per step and reused by every layer."""
+        lay = meta.extras.get("cpu")
+        if lay is None:
+            tables = torch.nn.utils.rnn.pad_sequence([t.long() for t in meta.prefill_block_tables], batch_first=True)
+            starts = torch.tensor([0, *itertools.accumulate(meta.prefill_query_lens)], dtype=torch.int64)
+            lens = torch.tensor(meta.prefill_context_lens, dtype=torch.int64)
+            lay = cpu_attention.check_chunks(num_tokens, block_size, tables, starts, lens)
+            meta.extras["cpu"] = lay
+        return lay
 
     def __repr__(self) -> str:
         return "CpuBackend()"
 
     def paged_attention(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
-        """Same arguments and result as :func:`~workbench.attention.torch_ref.paged_attention`. Decode groups whose
-        cache is not q's dtype, or not contiguous, fall back to the reference."""
+        """Same arguments and result as :func:`~workbench.attention.torch_ref.paged_attention`. Decode rows go to the
+        decode kernel; prefill chunks to the chunk kernel in bfloat16 where it runs (AVX512-BF16, head_dim 64 or
+        128), else to the reference. Caches that are not q's dtype, or not contiguous, fall back to the reference."""
+        nd = meta.num_decode
+        chunks = self._chunks and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and q.shape[0] > nd
+        if chunks and _fits(q, k_cache, v_cache):
+            out = torch.empty_like(q)
+            tables, starts, lens = self._chunk_layout(meta, q.shape[0] - nd, k_cache.shape[1])
+            out[nd:] = self._ext.paged_attention(q[nd:].contiguous(), k_cache, v_cache, tables, starts, lens, float(scale))
+            self._decode_rows(q, k_cache, v_cache, meta, scale, out)
+            return out
         if not meta.decode_groups or not _fits(q, k_cache, v_cache):
             return torch_ref.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
         out = torch_ref.paged_attention(q, k, v, k_cache, v_cache, dataclasses.replace(meta, decode_groups=[]), scale)
+        self._decode_rows(q, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def _decode_rows(self, q, k_cache, v_cache, meta, scale: float, out: torch.Tensor) -> None:
         for g in meta.decode_groups:
             lens = g.context_lens if g.context_lens is not None else g.mask.reshape(g.size, -1).sum(-1)
             out[g.start : g.start + g.size] = self._decode(
                 q[g.start : g.start + g.size], k_cache, v_cache, g.block_tables, lens, scale
             )
-        return out
 
 
 def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
