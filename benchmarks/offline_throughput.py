@@ -12,6 +12,9 @@ CPU, with the same thread count:
 * ``engine-eager-glue``: the same engine with the layer glue (RMSNorm, RoPE, SiLU * up) as eager torch ops
   (``WORKBENCH_CPU_LAYER_OPS=0`` while it is built), the same-run baseline of the C++ glue of
   ``workbench/kernels/cpu_layer_ops.py`` that a bfloat16 model takes on a CPU; in float32 the rows agree.
+* ``engine-no-chunk-kernel``: the same engine without the C++ chunk kernel (``WORKBENCH_CPU_CHUNK_KERNEL=0``
+  while it is built): decode rows by the C++ decode kernel, prefill chunks by the reference's SDPA, the same-run
+  baseline of the chunk kernel that takes every row on a CPU with AVX512-BF16 in bfloat16.
 * ``hf-static``: ``model.generate`` over left-padded batches of ``--hf-batch-size`` prompts, in
   prompt order. Padding waste: each batch is padded to its longest prompt, so the prefill computes
   the pad positions too, and the pad positions stay in every sequence's KV cache and in every
@@ -100,7 +103,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHAREGPT_500 = REPO.parent / "shared" / "data" / "sharegpt" / "ShareGPT_V3_filtered_500.json"
-SYSTEMS = ("engine", "engine-torch-attn", "engine-eager-glue", "hf-static", "hf-cb", "vllm")
+SYSTEMS = ("engine", "engine-torch-attn", "engine-eager-glue", "engine-no-chunk-kernel", "hf-static", "hf-cb", "vllm")
 DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_VLLM_VENV = REPO / "runs" / "bench" / "vllm-venv"
 DEFAULT_OUT = REPO / "runs" / "bench" / "offline_throughput.json"
@@ -711,6 +714,16 @@ def main(argv=None) -> int:
             llm_eager = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype)
         finally:
             os.environ.pop("WORKBENCH_CPU_LAYER_OPS") if saved is None else os.environ.update(WORKBENCH_CPU_LAYER_OPS=saved)
+    llm_nochunk = None
+    if "engine-no-chunk-kernel" in args.systems:
+        saved = os.environ.get("WORKBENCH_CPU_CHUNK_KERNEL")
+        os.environ["WORKBENCH_CPU_CHUNK_KERNEL"] = "0"  # read when the attention backend is built
+        try:
+            llm_nochunk = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype)
+        finally:
+            os.environ.pop("WORKBENCH_CPU_CHUNK_KERNEL") if saved is None else os.environ.update(
+                WORKBENCH_CPU_CHUNK_KERNEL=saved
+            )
     hf_config = eng.hf_config
     tokenizer = eng.tokenizer
     prompts, prompt_info = load_token_prompts(tokenizer, args.num_prompts, args.max_prompt_len, args.dataset)
@@ -750,6 +763,8 @@ def main(argv=None) -> int:
             return run_engine(llm_ref, ps, max_tokens)
         if system == "engine-eager-glue":
             return run_engine(llm_eager, ps, max_tokens)
+        if system == "engine-no-chunk-kernel":
+            return run_engine(llm_nochunk, ps, max_tokens)
         if system == "hf-static":
             return run_hf_static(model, ps, max_tokens, args.hf_batch_size, pad_id)
         gen = cb_gen
