@@ -119,8 +119,61 @@ def test_the_chunk_kernel_refuses_bad_layouts_before_it_reads():
         cpu_attention.paged_attention(q, kc, vc, tables, start, torch.tensor([20, 99]), 0.125)
     with pytest.raises(ValueError, match=r"query_start must run from 0 to 5"):
         cpu_attention.paged_attention(q, kc, vc, tables, torch.tensor([0, 4, 6]), ctx, 0.125)
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_attention.paged_attention(q.float(), kc.float(), vc.float(), tables, start, ctx, 0.125)
+    with pytest.raises(ValueError, match=r"but \{'v_cache': torch.float32\}; convert with .bfloat16\(\)"):
+        cpu_attention.paged_attention(q, kc, vc.float(), tables, start, ctx, 0.125)
+    with pytest.raises(ValueError, match=r"head_dim 64 or 128, got shape \(5, 9, 32\)"):
+        cpu_attention.paged_attention(q[..., :32], kc[..., :32], vc[..., :32], tables, start, ctx, 0.125)
+    with pytest.raises(ValueError, match=r"query_start must run from 0 to 5 .*; got \[0, 4, 6\]"):
+        cpu_attention.paged_attention(q, kc, vc, tables, torch.tensor([0, 4, 6]), ctx, 0.125)
+    bad = tables.clone()
+    bad[1, 1] = 10_000  # a block id past the pool: refused, not read (it would crash the process)
+    with pytest.raises(ValueError, match=r"sequence 1 reads block 10000 \(block_tables\[1, 1\]\), outside the pool of 96"):
+        cpu_attention.paged_attention(q, kc, vc, bad, start, ctx, 0.125)
+    bad[1, 1], bad[0, 0] = tables[1, 1], -5
+    with pytest.raises(ValueError, match=r"sequence 0 reads block -5"):
+        cpu_attention.paged_attention(q, kc, vc, bad, start, ctx, 0.125)
+    bad[0, 0] = tables[0, 0]
+    bad[0, 2] = 10_000  # past the blocks sequence 0 reads (20 tokens = 2 blocks): never read, so allowed
+    cpu_attention.paged_attention(q, kc, vc, bad, start, ctx, 0.125)
+
+
+@needs_bf16_dot
+def test_the_backend_sends_prefill_chunks_to_the_chunk_kernel_and_the_switch_turns_it_off(monkeypatch):
+    """Decode rows to the decode kernel, prefill chunks to the chunk kernel; ``WORKBENCH_CPU_CHUNK_KERNEL=0`` sends
+    the chunks to the reference. Either way the step's output is the reference's, within bfloat16 rounding."""
+    from workbench.attention import cpu_backend
+    from workbench.attention.torch_ref import AttentionMetadata, DecodeGroup
+    from workbench.attention.torch_ref import paged_attention as reference
+
+    q, kc, vc, tables, start, ctx = _chunks(7, 9, 3, 16, [1, 1, 30, 12], [40, 17, 30, 50])
+    k, v = torch.zeros(2, q.shape[0], 3, 64, dtype=torch.bfloat16)  # the reference reads fresh K/V for whole prompts:
+    for i, row in enumerate(range(2, 32)):  # give it the cached rows of the 30-token prompt
+        k[row], v[row] = kc[tables[2, i // 16], i % 16], vc[tables[2, i // 16], i % 16]
+    width = tables.shape[1]
+    mask = (torch.arange(width * 16) < ctx[:2, None]).view(2, 1, 1, -1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64), num_decode=2,
+        decode_groups=[DecodeGroup(0, tables[:2], mask, ctx[:2])],
+        prefill_query_lens=[30, 12], prefill_context_lens=[30, 50], prefill_block_tables=[tables[2], tables[3]],
+    )  # fmt: skip
+    want = reference(q, k, v, kc, vc, meta, 0.125).float()
+    calls = []
+
+    class Spy:  # the extension module, counting chunk-kernel calls
+        def __getattr__(self, name):
+            fn = getattr(cpu_attention.load(), name)
+            return (lambda *a: calls.append(name) or fn(*a)) if name == "paged_attention" else fn
+
+    for flag, chunk_calls in (("1", 1), ("0", 0)):
+        monkeypatch.setenv("WORKBENCH_CPU_CHUNK_KERNEL", flag)
+        backend = cpu_backend.CpuBackend()
+        backend._ext = Spy()
+        calls.clear()
+        meta.extras.clear()
+        got = backend.paged_attention(q, k, v, kc, vc, meta, 0.125).float()
+        assert len(calls) == chunk_calls
+        assert ("C++ chunk kernel" in backend.detail) == (flag == "1")
+        assert (got - want).abs().max().item() <= 2e-2
 
 
 @needs_toolchain
@@ -132,6 +185,10 @@ def test_a_length_outside_the_table_is_refused_before_the_kernel_reads():
         cpu_attention.paged_decode_attention(q, kc, vc, tables, torch.tensor([49]), 0.125)
     with pytest.raises(RuntimeError, match="one dtype"):
         cpu_attention.paged_decode_attention(q.bfloat16(), kc, vc, tables, torch.tensor([20]), 0.125)
+    bad = tables.clone()
+    bad[0, 1] = 10_000  # a block id past the pool (64 blocks): refused before the kernel reads (it would crash)
+    with pytest.raises(ValueError, match=r"sequence 0 reads block 10000 \(block_tables\[0, 1\]\), outside the pool of 64"):
+        cpu_attention.paged_decode_attention(q, kc, vc, bad, torch.tensor([20]), 0.125)
 
 
 def test_auto_takes_the_kernel_for_a_bfloat16_cache_on_the_cpu_only(monkeypatch):
@@ -191,6 +248,7 @@ def test_auto_in_bfloat16_runs_the_kernel_in_the_engine_and_says_why(tiny_model,
         eng = LLMEngine(EngineConfig(model=str(tiny_model), dtype="bfloat16", block_size=4, max_model_len=64))
     assert eng.executor.attn_backend.name == "cpu"
     assert "attention backend cpu (attention_backend=auto: a bfloat16 KV cache on the CPU, g++ and ninja found)" in caplog.text
+    assert "decode rows: C++ decode kernel; prefill chunks: " in caplog.text  # which kernel takes which rows
     caplog.clear()
     with caplog.at_level("INFO", logger="workbench"):
         eng32 = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", block_size=4, max_model_len=64))

@@ -149,8 +149,9 @@ class EngineConfig:
     )
     attention_backend: str = arg(
         "auto",
-        "paged attention: auto (Triton on CUDA if installed; on CPU with a bfloat16 KV cache the C++ decode kernel "
-        "where g++ and ninja exist; else PyTorch), the PyTorch reference, the C++ decode kernel (CPU only), "
+        "paged attention: auto (Triton on CUDA if installed; on CPU with a bfloat16 KV cache the C++ kernels "
+        "where g++ and ninja exist; else PyTorch), the PyTorch reference, the C++ kernels (CPU only: decode rows, "
+        "and prefill chunks in bfloat16 with AVX512-BF16), "
         "compiled Triton kernels (CUDA), or the Triton kernels in Triton's interpreter (slow; teaching)",
         choices=ATTENTION_BACKENDS,
     )

@@ -98,7 +98,8 @@ class LLMEngine:
         ex.init_cache(self.memory.num_blocks, num_cpu_blocks)
         if backend := getattr(ex, "attn_backend", None):  # what attention_backend resolved to (auto: see its table)
             why = "" if config.attention_backend != "auto" else ": " + auto_reason(backend.name, ex.device, config.kv_torch_dtype)
-            log.info("attention backend %s (attention_backend=%s%s)", backend.name, config.attention_backend, why)
+            detail = f"; {backend.detail}" if getattr(backend, "detail", "") else ""
+            log.info("attention backend %s (attention_backend=%s%s)%s", backend.name, config.attention_backend, why, detail)
         #: the KV pool's split, step by step, settled when requests release their blocks
         self.accounting = PoolAccounting(self.kv)
         self.defrag = Defragmenter.from_config(config, self.kv, self.memory.block_bytes, self.accounting)

@@ -13,7 +13,7 @@ Engine option ``attention_backend``:
 |---|---|
 | ``"auto"`` (default) | Triton when the device is CUDA and Triton is installed (and not forced into its interpreter); on the CPU with a bfloat16 KV cache, ``"cpu"`` where a C++ compiler and ninja exist; else PyTorch |
 | ``"torch"`` | the PyTorch reference (:mod:`workbench.attention.torch_ref`): gather + SDPA, any device |
-| ``"cpu"`` | the C++ kernels of :mod:`workbench.kernels.cpu_attention` (built on first use): in bfloat16 with AVX512-BF16 the chunk kernel takes every row; else decode rows by the decode kernel, the rest by the reference; CPU only |
+| ``"cpu"`` | the C++ kernels of :mod:`workbench.kernels.cpu_attention` (built on first use): decode rows by the decode kernel; prefill chunks by the chunk kernel in bfloat16 with AVX512-BF16 and head_dim 64 or 128, else by the reference; CPU only |
 | ``"triton"`` | the compiled Triton kernels of :mod:`kernels`; CUDA only |
 | ``"triton-interpret"`` | the same kernels in Triton's interpreter (NumPy on the CPU): slow, exact, for teaching and tests |
 """
@@ -82,7 +82,7 @@ def check_backend(name: str, device: torch.device | str) -> None:
 
 def resolve_backend(name: str, device: torch.device | str, kv_dtype: torch.dtype | None = None) -> str:
     """The concrete backend ``"auto"`` stands for on ``device`` with a KV cache of ``kv_dtype`` (other names are
-    returned as they are). On the CPU ``"auto"`` takes the C++ decode kernel for a bfloat16 cache only: float32 stays
+    returned as they are). On the CPU ``"auto"`` takes the C++ kernels for a bfloat16 cache only: float32 stays
     on the reference, whose results the suite and the labs compare bit for bit."""
     check_backend(name, device)
     if name != "auto":

@@ -20,7 +20,7 @@ from workbench.kernels import cpu_attention
 
 
 class CpuBackend:
-    """Paged attention with the C++ decode kernel (built, or loaded from its cache, at construction: the engine's
+    """Paged attention with the C++ kernels (built, or loaded from its cache, at construction: the engine's
     start-up pays the one-off build, never a step). Raises ``RuntimeError`` if the kernel cannot be built."""
 
     name = "cpu"
@@ -28,11 +28,18 @@ class CpuBackend:
 
     def __init__(self) -> None:
         self._ext = cpu_attention.load()
-        self._decode = cpu_attention.paged_decode_attention
         self._chunks = bool(self._ext.bf16_dot_product) and os.environ.get("WORKBENCH_CPU_CHUNK_KERNEL", "1") != "0"
+        #: which kernel takes which rows (the engine's start-up log line carries it)
+        self.detail = "decode rows: C++ decode kernel; prefill chunks: " + (
+            "C++ chunk kernel in bfloat16 with head_dim 64 or 128 (WORKBENCH_CPU_CHUNK_KERNEL=0 for the reference)"
+            if self._chunks
+            else "the reference's gather + SDPA ("
+            + ("WORKBENCH_CPU_CHUNK_KERNEL=0" if self._ext.bf16_dot_product else "no AVX512-BF16 for the chunk kernel")
+            + ")"
+        )
 
     @staticmethod
-    def _chunk_layout(meta, num_tokens: int, block_size: int):
+    def _chunk_layout(meta, num_tokens: int, num_blocks: int, block_size: int):
         """The step's prefill chunks for the chunk kernel: block tables, query starts and context lengths, built and
         checked once per step and reused by every layer."""
         lay = meta.extras.get("cpu")
@@ -40,12 +47,12 @@ class CpuBackend:
             tables = torch.nn.utils.rnn.pad_sequence([t.long() for t in meta.prefill_block_tables], batch_first=True)
             starts = torch.tensor([0, *itertools.accumulate(meta.prefill_query_lens)], dtype=torch.int64)
             lens = torch.tensor(meta.prefill_context_lens, dtype=torch.int64)
-            lay = cpu_attention.check_chunks(num_tokens, block_size, tables, starts, lens)
+            lay = cpu_attention.check_chunks(num_tokens, num_blocks, block_size, tables, starts, lens)
             meta.extras["cpu"] = lay
         return lay
 
     def __repr__(self) -> str:
-        return "CpuBackend()"
+        return f"CpuBackend(chunk_kernel={self._chunks})"
 
     def paged_attention(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         """Same arguments and result as :func:`~workbench.attention.torch_ref.paged_attention`. Decode rows go to the
@@ -55,8 +62,10 @@ class CpuBackend:
         chunks = self._chunks and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and q.shape[0] > nd
         if chunks and _fits(q, k_cache, v_cache):
             out = torch.empty_like(q)
-            tables, starts, lens = self._chunk_layout(meta, q.shape[0] - nd, k_cache.shape[1])
-            out[nd:] = self._ext.paged_attention(q[nd:].contiguous(), k_cache, v_cache, tables, starts, lens, float(scale))
+            tables, starts, lens = self._chunk_layout(meta, q.shape[0] - nd, k_cache.shape[0], k_cache.shape[1])
+            out[nd:] = self._ext.paged_attention(
+                q[nd:].contiguous(), k_cache, v_cache, tables, starts, lens, float(scale)
+            )
             self._decode_rows(q, k_cache, v_cache, meta, scale, out)
             return out
         if not meta.decode_groups or not _fits(q, k_cache, v_cache):
@@ -66,10 +75,17 @@ class CpuBackend:
         return out
 
     def _decode_rows(self, q, k_cache, v_cache, meta, scale: float, out: torch.Tensor) -> None:
-        for g in meta.decode_groups:
-            lens = g.context_lens if g.context_lens is not None else g.mask.reshape(g.size, -1).sum(-1)
-            out[g.start : g.start + g.size] = self._decode(
-                q[g.start : g.start + g.size], k_cache, v_cache, g.block_tables, lens, scale
+        """Each decode group through the decode kernel; its lengths and block ids checked once per step."""
+        checked = meta.extras.get("cpu_decode")
+        if checked is None:
+            checked = []
+            for g in meta.decode_groups:
+                lens = g.context_lens if g.context_lens is not None else g.mask.reshape(g.size, -1).sum(-1)
+                checked.append(cpu_attention.check_decode(k_cache.shape[0], k_cache.shape[1], g.block_tables, lens))
+            meta.extras["cpu_decode"] = checked
+        for g, (tables, lens) in zip(meta.decode_groups, checked):
+            out[g.start : g.start + g.size] = self._ext.paged_decode_attention(
+                q[g.start : g.start + g.size].contiguous(), k_cache, v_cache, tables, lens, float(scale)
             )
 
 

@@ -87,21 +87,51 @@ def paged_decode_attention(
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Raises:
-        ValueError: a length is below 1 or beyond its block table (the kernel would read outside it).
+        ValueError: a length is below 1 or beyond its block table, or a block id the sequence reads is outside the
+            pool (the kernel would read outside it).
         RuntimeError: the kernel cannot be built here (see :func:`load`), or a shape or dtype does not fit.
     """
+    tables, lens = check_decode(k_cache.shape[0], k_cache.shape[1], block_tables, context_lens)
+    return load().paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, float(scale))
+
+
+def check_decode(
+    num_blocks: int, block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode layout of :func:`paged_decode_attention` as contiguous int64 tensors, after checking that every
+    read stays inside the pool (the backend checks once per step, then calls the kernel for every layer).
+
+    Raises:
+        ValueError: as :func:`paged_decode_attention`.
+    """
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got shape {tuple(block_tables.shape)}")
     lens = context_lens.to(torch.int64).contiguous()
     if lens.numel():
         lo, hi = int(lens.min()), int(lens.max())
-        if lo < 1 or hi > block_tables.shape[1] * k_cache.shape[1]:
+        if lo < 1 or hi > block_tables.shape[1] * block_size:
             raise ValueError(
-                f"context_lens span {lo}..{hi} tokens, but each must be in 1..{block_tables.shape[1] * k_cache.shape[1]} "
-                f"(max_blocks {block_tables.shape[1]} x block_size {k_cache.shape[1]})"
+                f"context_lens span {lo}..{hi} tokens, but each must be in 1..{block_tables.shape[1] * block_size} "
+                f"(max_blocks {block_tables.shape[1]} x block_size {block_size})"
             )
-    return load().paged_decode_attention(
-        q.contiguous(), k_cache, v_cache, block_tables.to(torch.int64).contiguous(), lens, float(scale)
-    )
+    tables = block_tables.to(torch.int64).contiguous()
+    _check_block_ids(tables, lens, num_blocks, block_size)
+    return tables, lens
 
+
+def _check_block_ids(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Raise ``ValueError`` if a block a sequence reads (the first ``ceil(len / block_size)`` of its row) is not in
+    ``0 .. num_blocks - 1``."""
+    if not tables.numel():
+        return
+    used = torch.arange(tables.shape[1]).unsqueeze(0) < (lens.unsqueeze(1) + block_size - 1) // block_size
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"sequence {i} reads block {int(tables[i, j])} (block_tables[{i}, {j}]), outside the pool of {num_blocks} "
+            f"blocks (0..{num_blocks - 1})"
+        )
 
 
 def chunk_kernel_available() -> bool:
@@ -138,30 +168,56 @@ def paged_attention(
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Raises:
-        ValueError: a chunk longer than its context, a context beyond its block table, query starts that do not
-            cover ``q``, or a dtype other than bfloat16 (each names the value).
-        RuntimeError: the kernel cannot run here (:func:`chunk_kernel_available` is ``False``).
+        ValueError: a chunk longer than its context, a context beyond its block table, a block id outside the pool,
+            query starts that do not cover ``q``, a dtype other than bfloat16, or a head_dim other than 64 or 128
+            (each names the value).
+        RuntimeError: the kernel cannot run here (:func:`chunk_kernel_available` is ``False``: no AVX512-BF16).
     """
-    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
-        raise ValueError(f"the chunk kernel takes bfloat16 q and caches, not {q.dtype} / {k_cache.dtype}")
-    tables, starts, lens = check_chunks(q.shape[0], k_cache.shape[1], block_tables, query_start, context_lens)
+    dtypes = {"q": q.dtype, "k_cache": k_cache.dtype, "v_cache": v_cache.dtype}
+    if wrong := {n: d for n, d in dtypes.items() if d != torch.bfloat16}:
+        raise ValueError(f"the chunk kernel takes bfloat16 q and caches, but {wrong}; convert with .bfloat16()")
+    if q.dim() != 3 or q.shape[-1] not in (64, 128):
+        raise ValueError(
+            f"the chunk kernel takes q [num_tokens, num_heads, head_dim] with head_dim 64 or 128, got shape "
+            f"{tuple(q.shape)}; use paged_prefill_attention_ref (workbench.kernels.reference) for other head dims"
+        )
+    tables, starts, lens = check_chunks(q.shape[0], k_cache.shape[0], k_cache.shape[1], block_tables, query_start,
+                                        context_lens)  # fmt: skip
     return load().paged_attention(q.contiguous(), k_cache, v_cache, tables, starts, lens, float(scale))
 
 
 def check_chunks(
-    num_tokens: int, block_size: int, block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunk layout of :func:`paged_attention` as contiguous int64 tensors, after checking that every read stays
-    inside its block table (the backend checks once per step, then calls the kernel for every layer).
+    inside its block table and the pool (the backend checks once per step, then calls the kernel for every layer).
 
     Raises:
         ValueError: as :func:`paged_attention`.
     """
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got shape {tuple(block_tables.shape)}")
     starts = query_start.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    s = starts.tolist()
-    if len(s) != lens.numel() + 1 or s[0] != 0 or s[-1] != num_tokens or any(b < a for a, b in zip(s, s[1:])):
-        raise ValueError(f"query_start must run from 0 to {num_tokens} (q's rows), rising, one more than context_lens")
+    s = starts.tolist() if starts.dim() == 1 else None
+    if (
+        s is None
+        or len(s) != lens.numel() + 1
+        or s[0] != 0
+        or s[-1] != num_tokens
+        or any(b < a for a, b in zip(s, s[1:]))
+    ):
+        raise ValueError(
+            f"query_start must run from 0 to {num_tokens} (q's rows), never falling, with one entry more than "
+            f"context_lens ({lens.numel()}); got {query_start.tolist()}"
+        )
+    if block_tables.shape[0] != lens.numel():
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {lens.numel()} sequences")
     cap = block_tables.shape[1] * block_size
     for i, ctx in enumerate(lens.tolist()):
         if ctx < s[i + 1] - s[i]:
@@ -171,7 +227,10 @@ def check_chunks(
                 f"sequence {i} has a context of {ctx} tokens, beyond its block table "
                 f"(max_blocks {block_tables.shape[1]} x block_size {block_size})"
             )
-    return block_tables.to(torch.int64).contiguous(), starts, lens
+    tables = block_tables.to(torch.int64).contiguous()
+    _check_block_ids(tables, lens.clamp_min(0), num_blocks, block_size)
+    return tables, starts, lens
+
 
 if __name__ == "__main__":  # python -m workbench.kernels.cpu_attention: build ahead of time
     import time
