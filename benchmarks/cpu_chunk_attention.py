@@ -1,5 +1,7 @@
-"""The C++ chunk kernel (``workbench.kernels.cpu_attention.paged_attention``) against what it replaced, one layer of
-SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, bfloat16, block_size 16, blocks in a shuffled order):
+"""Time the C++ chunk kernel against SDPA (prefill) and the C++ decode kernel (decode), one layer of SmolLM2's shapes.
+
+``workbench.kernels.cpu_attention.paged_attention``; 9 query heads, 3 KV heads, head_dim 64, bfloat16,
+block_size 16, blocks in a shuffled order:
 
 * prefill: one prompt of L tokens, no cached context, against SDPA on the fresh K/V (``is_causal``, GQA), the
   reference backend's path for such a chunk;
@@ -60,9 +62,15 @@ def prefill_case(L: int, calls: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="64,320,800,2048", help="prefill prompt lengths (default 64,320,800,2048)")
-    ap.add_argument("--calls", type=int, default=15, help="timed calls per case (default 15)")
+    ap.add_argument("--calls", type=int, default=15, help="timed calls per case (default 15; at least 1)")
     ap.add_argument("--decode-seqs", type=int, default=64, help="decode sequences (default 64; 0 skips decode)")
     args = ap.parse_args(argv)
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        ap.error(f"--lengths takes comma-separated integers, got {args.lengths!r}")
+    if args.calls < 1 or min(lengths) < 1:
+        ap.error(f"--calls and every --lengths entry must be at least 1, got {args.calls} and {args.lengths!r}")
     if not ca.chunk_kernel_available():
         print("the chunk kernel does not run here (it needs AVX512-BF16 and a C++ toolchain)", file=sys.stderr)
         return 2
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| prefill L | chunk kernel (ms) | GFLOP/s | SDPA on fresh K/V (ms) | GFLOP/s | SDPA / kernel |")
     print("|---:|---:|---:|---:|---:|---:|")
-    for L in (int(x) for x in args.lengths.split(",")):
+    for L in lengths:
         t_kernel, t_sdpa = prefill_case(L, args.calls)
         flop = 4 * L * L / 2 * HEADS * HEAD_DIM
         print(f"| {L} | {t_kernel:.2f} | {flop / t_kernel / 1e6:.0f} | {t_sdpa:.2f} | {flop / t_sdpa / 1e6:.0f} "
