@@ -21,6 +21,17 @@ REQUIRE = os.environ.get("WORKBENCH_REQUIRE_CPU_KERNEL") == "1"  # .ci/run sets 
 needs_toolchain = pytest.mark.skipif(MISSING is not None and not REQUIRE, reason=f"cannot build: {MISSING}")
 
 
+def _benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (its folder is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 def _case(seed, dtype, num_heads, num_kv_heads, block_size, lens, head_dim=64, num_blocks=64):
     g = torch.Generator().manual_seed(seed)
     kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
@@ -98,14 +109,7 @@ def test_the_chunk_kernel_equals_the_prefill_reference(num_heads, num_kv_heads, 
 
 @needs_bf16_dot
 def test_the_chunk_benchmark_script_runs(capsys):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import cpu_chunk_attention as bench  # benchmarks/cpu_chunk_attention.py
-    finally:
-        sys.path.pop(0)
+    bench = _benchmark("cpu_chunk_attention")
     assert bench.main(["--lengths", "40", "--calls", "1", "--decode-seqs", "2"]) == 0
     out = capsys.readouterr().out
     assert "| 40 |" in out and "decode / chunk" in out
@@ -258,14 +262,7 @@ def test_auto_in_bfloat16_runs_the_kernel_in_the_engine_and_says_why(tiny_model,
 
 @needs_toolchain
 def test_the_benchmark_script_runs_and_checks_agreement(capsys):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import cpu_attention as bench  # benchmarks/cpu_attention.py
-    finally:
-        sys.path.pop(0)
+    bench = _benchmark("cpu_attention")
     bench.main(["--num-seqs", "3", "--context", "40", "--num-blocks", "32", "--calls", "2"])
     out = capsys.readouterr().out
     assert "| cpu (C++ kernel) |" in out and "reference / kernel, medians:" in out and "(bound 0.01)" in out
