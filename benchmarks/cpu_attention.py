@@ -5,7 +5,8 @@ The shapes are the bundled SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 6
 is ``--num-seqs`` sequences of ``--context`` tokens, less a seeded 0-25% each (so the reference pads and masks as it
 does in the engine), their blocks scattered over a pool of ``--num-blocks``. Both are timed call by call, alternating
 (a drift of the machine's speed hits both alike); the script prints the median and 10th percentile of each and the
-ratio of medians, and checks that the two agree (bfloat16: within 1e-2 of each other).
+ratio of medians, and checks that the two agree (bfloat16: within 1e-2 of each other). In bfloat16 the earlier C++ kernel
+(``rowwise=True``: one dot product per position and head) runs too, the same-run baseline of the 16-position one.
 
 Usage::
 
@@ -65,6 +66,10 @@ def main(argv=None) -> None:
         "cpu (C++ kernel)": lambda: cpu_attention.paged_decode_attention(q, kc, vc, tables, lens, scale),
         "torch (gather + SDPA)": lambda: paged_attention(q, None, None, kc, vc, meta, scale),
     }
+    if args.dtype == "bfloat16":  # the earlier C++ kernel, one dot product per position and head
+        systems["cpu, row-wise (rowwise=True)"] = lambda: cpu_attention.paged_decode_attention(
+            q, kc, vc, tables, lens, scale, rowwise=True
+        )
     outs = {name: f().float() for name, f in systems.items()}  # also the warm-up (and the kernel's build or load)
     diff = (outs["cpu (C++ kernel)"] - outs["torch (gather + SDPA)"]).abs().max().item()
     bound = 1e-2 if args.dtype == "bfloat16" else 1e-5
@@ -86,6 +91,13 @@ def main(argv=None) -> None:
         med[name] = statistics.median(ts)
         print(f"| {name} | {med[name] * 1e3:.3f} | {ts[len(ts) // 10] * 1e3:.3f} |")
     print(f"reference / kernel, medians: {med['torch (gather + SDPA)'] / med['cpu (C++ kernel)']:.2f}x")
+    if "cpu, row-wise (rowwise=True)" in med:
+        print(f"row-wise / kernel, medians: {med['cpu, row-wise (rowwise=True)'] / med['cpu (C++ kernel)']:.2f}x")
+    positions = int(lens.sum())
+    print(
+        f"kernel: {positions * 2 * kc[0, 0].numel() * kc.element_size() / med['cpu (C++ kernel)'] / 1e9:.1f} GB/s "
+        f"of K and V ({positions} positions x {2 * kc[0, 0].numel() * kc.element_size()} bytes per call)"
+    )
     print(f"largest difference between the two outputs: {diff:.2e} (bound {bound:g})")
     if diff > bound:
         raise SystemExit("the kernel and the reference disagree beyond the bound")

@@ -15,6 +15,9 @@ CPU, with the same thread count:
 * ``engine-no-chunk-kernel``: the same engine without the C++ chunk kernel (``WORKBENCH_CPU_CHUNK_KERNEL=0``
   while it is built): decode rows by the C++ decode kernel, prefill chunks by the reference's SDPA, the same-run
   baseline of the chunk kernel that takes every row on a CPU with AVX512-BF16 in bfloat16.
+* ``engine-rowwise-decode``: the same engine with the earlier C++ decode kernel, one dot product per position and
+  head (``WORKBENCH_CPU_DECODE_KERNEL=rowwise`` while it is built), the same-run baseline of the decode kernel that
+  takes 16 positions per step in bfloat16 with head_dim 64 or 128.
 * ``hf-static``: ``model.generate`` over left-padded batches of ``--hf-batch-size`` prompts, in
   prompt order. Padding waste: each batch is padded to its longest prompt, so the prefill computes
   the pad positions too, and the pad positions stay in every sequence's KV cache and in every
@@ -103,7 +106,16 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHAREGPT_500 = REPO.parent / "shared" / "data" / "sharegpt" / "ShareGPT_V3_filtered_500.json"
-SYSTEMS = ("engine", "engine-torch-attn", "engine-eager-glue", "engine-no-chunk-kernel", "hf-static", "hf-cb", "vllm")
+SYSTEMS = (
+    "engine", "engine-torch-attn", "engine-eager-glue", "engine-no-chunk-kernel", "engine-rowwise-decode",
+    "hf-static", "hf-cb", "vllm",
+)  # fmt: skip
+#: systems that are the engine with one environment switch set while it is built: (variable, value)
+ENGINE_SWITCHES = {
+    "engine-eager-glue": ("WORKBENCH_CPU_LAYER_OPS", "0"),
+    "engine-no-chunk-kernel": ("WORKBENCH_CPU_CHUNK_KERNEL", "0"),
+    "engine-rowwise-decode": ("WORKBENCH_CPU_DECODE_KERNEL", "rowwise"),
+}
 DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_VLLM_VENV = REPO / "runs" / "bench" / "vllm-venv"
 DEFAULT_OUT = REPO / "runs" / "bench" / "offline_throughput.json"
@@ -373,6 +385,16 @@ def matmul_rates(hf_config, dtypes: list[torch.dtype], ms: list[int]) -> dict:
 
 
 # --------------------------------------------------------------------------- systems
+def load_engine_with(var: str, value: str, *args):
+    """:func:`load_engine` with the environment variable ``var`` set to ``value`` while the engine is built."""
+    saved = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        return load_engine(*args)
+    finally:
+        os.environ.pop(var) if saved is None else os.environ.update({var: saved})
+
+
 def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     from workbench import SamplingParams
 
@@ -706,24 +728,12 @@ def main(argv=None) -> int:
     llm_ref = None
     if "engine-torch-attn" in args.systems:
         llm_ref = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype, attention_backend="torch")
-    llm_eager = None
-    if "engine-eager-glue" in args.systems:
-        saved = os.environ.get("WORKBENCH_CPU_LAYER_OPS")
-        os.environ["WORKBENCH_CPU_LAYER_OPS"] = "0"  # read when the model is built
-        try:
-            llm_eager = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype)
-        finally:
-            os.environ.pop("WORKBENCH_CPU_LAYER_OPS") if saved is None else os.environ.update(WORKBENCH_CPU_LAYER_OPS=saved)
-    llm_nochunk = None
-    if "engine-no-chunk-kernel" in args.systems:
-        saved = os.environ.get("WORKBENCH_CPU_CHUNK_KERNEL")
-        os.environ["WORKBENCH_CPU_CHUNK_KERNEL"] = "0"  # read when the attention backend is built
-        try:
-            llm_nochunk = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype)
-        finally:
-            os.environ.pop("WORKBENCH_CPU_CHUNK_KERNEL") if saved is None else os.environ.update(
-                WORKBENCH_CPU_CHUNK_KERNEL=saved
-            )
+    # the same engine built with one switch set (each is read when the model or the attention backend is built)
+    switched = {
+        system: load_engine_with(var, value, args.max_num_seqs, args.max_batch_tokens, args.dtype)
+        for system, (var, value) in ENGINE_SWITCHES.items()
+        if system in args.systems
+    }
     hf_config = eng.hf_config
     tokenizer = eng.tokenizer
     prompts, prompt_info = load_token_prompts(tokenizer, args.num_prompts, args.max_prompt_len, args.dataset)
@@ -761,10 +771,8 @@ def main(argv=None) -> int:
             return run_engine(llm, ps, max_tokens)
         if system == "engine-torch-attn":
             return run_engine(llm_ref, ps, max_tokens)
-        if system == "engine-eager-glue":
-            return run_engine(llm_eager, ps, max_tokens)
-        if system == "engine-no-chunk-kernel":
-            return run_engine(llm_nochunk, ps, max_tokens)
+        if system in switched:
+            return run_engine(switched[system], ps, max_tokens)
         if system == "hf-static":
             return run_hf_static(model, ps, max_tokens, args.hf_batch_size, pad_id)
         gen = cb_gen

@@ -93,11 +93,26 @@ def instrument(llm, timers: Timers) -> None:
     attn = eng.executor.attn_backend
     attn.paged_attention = timers.wrap("attention", attn.paged_attention, LABEL_ATTN)
     attn.write_kv = timers.wrap("kv_write", attn.write_kv, LABEL_KV_WRITE)
+    if getattr(attn, "_ext", None) is not None:  # the cpu backend: time its two C++ kernels apart
+        attn._ext = _TimedKernels(attn._ext, timers)
     executor_mod.prepare_inputs = timers.wrap("prepare_inputs", executor_mod.prepare_inputs, "wb::prepare_inputs")
     eng.executor.execute_model = timers.wrap("forward", eng.executor.execute_model, LABEL_FORWARD)
     eng._record_step = timers.wrap("record_step", eng._record_step, "wb::record_step")
     proc = eng.output  # request outputs: detokenize, stop strings, RequestOutput objects
     proc.make_outputs = timers.wrap("output", proc.make_outputs, "wb::output")
+
+
+class _TimedKernels:
+    """The C++ extension as the cpu backend sees it, with its two attention kernels timed apart."""
+
+    def __init__(self, ext, timers: Timers) -> None:
+        self._ext = ext
+        self.paged_decode_attention = timers.wrap("decode_kernel", ext.paged_decode_attention)
+        self.paged_decode_attention_rowwise = timers.wrap("decode_kernel", ext.paged_decode_attention_rowwise)
+        self.paged_attention = timers.wrap("chunk_kernel", ext.paged_attention)
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
 
 
 def sampling_params(max_tokens: int):
@@ -367,6 +382,12 @@ def main(argv=None) -> int:
         f"directly timed in the timed run: paged_attention {t.get('attention', 0.0):.3f}s, "
         f"write_kv {t.get('kv_write', 0.0):.3f}s (the attention row uses the profiler's share instead)"
     )
+    if "decode_kernel" in t or "chunk_kernel" in t:
+        print(
+            f"  of paged_attention: C++ decode kernel {t.get('decode_kernel', 0.0):.3f}s "
+            f"({run['calls'].get('decode_kernel', 0)} calls), C++ chunk kernel {t.get('chunk_kernel', 0.0):.3f}s "
+            f"({run['calls'].get('chunk_kernel', 0)} calls)"
+        )
     print()
     print("torch.profiler, forward split (profiled steps, CPU ms):")
     for k, v in tprof["forward_parts_us"].items():

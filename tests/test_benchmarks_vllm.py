@@ -71,8 +71,9 @@ def test_matmul_rates_structure():
 def test_systems_and_dtype_options():
     args = ot.parse_args([])
     assert args.systems == [
-        "engine", "engine-torch-attn", "engine-eager-glue", "engine-no-chunk-kernel", "hf-static", "hf-cb", "vllm"
-    ]
+        "engine", "engine-torch-attn", "engine-eager-glue", "engine-no-chunk-kernel", "engine-rowwise-decode",
+        "hf-static", "hf-cb", "vllm",
+    ]  # fmt: skip
     assert args.dtype == "auto" and args.matmul_m == [64, 256, 2048]
     args = ot.parse_args(["--systems", "engine,hf-static,hf-cb", "--dtype", "bfloat16", "--matmul-m", "none"])
     assert args.systems == ["engine", "hf-static", "hf-cb"] and args.dtype == "bfloat16" and args.matmul_m == []

@@ -45,23 +45,30 @@ def _case(seed, dtype, num_heads, num_kv_heads, block_size, lens, head_dim=64, n
 
 @needs_toolchain
 @pytest.mark.parametrize(
-    "dtype,num_heads,num_kv_heads,block_size,lens",
+    "dtype,num_heads,num_kv_heads,block_size,lens,head_dim",
     [
-        (torch.float32, 4, 4, 16, [1, 17, 40]),  # multi-head, a one-token context, a partial last block
-        (torch.float32, 9, 3, 16, [5, 32, 33, 64]),  # grouped-query (3 query heads per KV head), full blocks
-        (torch.float32, 8, 1, 1, [3, 9]),  # block_size 1, multi-query
-        (torch.bfloat16, 9, 3, 16, [1, 100, 200]),
-        (torch.bfloat16, 8, 2, 8, [7, 64]),
+        (torch.float32, 4, 4, 16, [1, 17, 40], 64),  # multi-head, a one-token context, a partial last block
+        (torch.float32, 9, 3, 16, [5, 32, 33, 64], 64),  # grouped-query (3 query heads per KV head), full blocks
+        (torch.float32, 8, 1, 1, [3, 9], 64),  # block_size 1, multi-query
+        (torch.bfloat16, 9, 3, 16, [1, 100, 200], 64),
+        (torch.bfloat16, 8, 2, 8, [7, 64], 64),
+        # bfloat16 with head_dim 64/128 takes 16 positions per step: lengths around 16's multiples, a length of one,
+        # block sizes below and above 16, multi-query, head_dim 128
+        (torch.bfloat16, 9, 3, 4, [1, 15, 16, 17, 31, 33], 64),
+        (torch.bfloat16, 8, 1, 32, [2, 47, 48, 300], 64),
+        (torch.bfloat16, 4, 4, 16, [5, 129], 128),
+        (torch.bfloat16, 6, 2, 1, [3, 18], 96),  # head_dim 96: the row-wise path
     ],
 )
-def test_the_kernel_equals_its_reference(dtype, num_heads, num_kv_heads, block_size, lens):
-    q, kc, vc, tables, ctx = _case(len(lens) + num_heads, dtype, num_heads, num_kv_heads, block_size, lens)
-    got = cpu_attention.paged_decode_attention(q, kc, vc, tables, ctx, 0.125)
+@pytest.mark.parametrize("rowwise", [False, True], ids=["kernel", "rowwise"])
+def test_the_kernel_equals_its_reference(dtype, num_heads, num_kv_heads, block_size, lens, head_dim, rowwise):
+    q, kc, vc, tables, ctx = _case(len(lens) + num_heads, dtype, num_heads, num_kv_heads, block_size, lens, head_dim)
+    got = cpu_attention.paged_decode_attention(q, kc, vc, tables, ctx, 0.125, rowwise=rowwise)
     assert got.dtype == dtype and got.shape == q.shape
     ref32 = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, ctx, 0.125)
     if dtype == torch.float32:
         torch.testing.assert_close(got, ref32, atol=2e-6, rtol=1e-5)  # float32 throughout: the order of sums only
-    else:  # float32 inside, one rounding to bfloat16 at the end: within a bfloat16 step of the exact result
+    else:  # float32 sums; p in bfloat16 (as SDPA's bfloat16 kernel) for the 16-position kernel; one final rounding
         ref16 = paged_decode_attention_ref(q, kc, vc, tables, ctx, 0.125).float()
         assert (got.float() - ref32).abs().max().item() <= 1e-2
         assert (got.float() - ref32).abs().max() <= (ref16 - ref32).abs().max() + 1e-2
@@ -178,6 +185,37 @@ def test_the_backend_sends_prefill_chunks_to_the_chunk_kernel_and_the_switch_tur
         assert len(calls) == chunk_calls
         assert ("C++ chunk kernel" in backend.detail) == (flag == "1")
         assert (got - want).abs().max().item() <= 2e-2
+
+
+@needs_toolchain
+@pytest.mark.parametrize("flag,kernel", [("", "paged_decode_attention"), ("rowwise", "paged_decode_attention_rowwise")])
+def test_the_backend_runs_all_decode_groups_in_one_kernel_call(monkeypatch, flag, kernel):
+    """The executor's decode groups (two widths here) go to the decode kernel merged, one call per layer;
+    ``WORKBENCH_CPU_DECODE_KERNEL=rowwise`` picks the row-wise kernel. The rows equal the reference's."""
+    from workbench.attention import cpu_backend
+    from workbench.attention.torch_ref import AttentionMetadata, DecodeGroup
+
+    q, kc, vc, tables, ctx = _case(3, torch.bfloat16, 9, 3, 16, [5, 40, 70])
+    groups = []
+    for start, size, width in ((0, 1, 1), (1, 2, 5)):
+        mask = (torch.arange(width * 16) < ctx[start : start + size, None]).view(size, 1, 1, -1)
+        groups.append(DecodeGroup(start, tables[start : start + size, :width], mask, ctx[start : start + size]))
+    meta = AttentionMetadata(torch.zeros(3, dtype=torch.int64), 3, groups, [], [], [])
+    ext, calls = cpu_attention.load(), []
+
+    class Spy:  # the extension module, recording which decode kernel runs
+        def __getattr__(self, name):
+            fn = getattr(ext, name)
+            return (lambda *a: calls.append(name) or fn(*a)) if name.startswith("paged_decode") else fn
+
+    monkeypatch.setattr(cpu_backend.cpu_attention, "load", Spy)
+    monkeypatch.setenv("WORKBENCH_CPU_DECODE_KERNEL", flag)
+    backend = cpu_backend.CpuBackend()
+    got = backend.paged_attention(q, None, None, kc, vc, meta, 0.125).float()
+    assert calls == [kernel]
+    assert ("rowwise" in backend.detail) == (flag == "rowwise")
+    want = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, ctx, 0.125)
+    assert (got - want).abs().max().item() <= 1e-2
 
 
 @needs_toolchain

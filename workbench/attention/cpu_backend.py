@@ -29,8 +29,14 @@ class CpuBackend:
     def __init__(self) -> None:
         self._ext = cpu_attention.load()
         self._chunks = bool(self._ext.bf16_dot_product) and os.environ.get("WORKBENCH_CPU_CHUNK_KERNEL", "1") != "0"
+        self._rowwise = os.environ.get("WORKBENCH_CPU_DECODE_KERNEL", "") == "rowwise"
+        self._decode_kernel = "paged_decode_attention" + ("_rowwise" if self._rowwise else "")
         #: which kernel takes which rows (the engine's start-up log line carries it)
-        self.detail = "decode rows: C++ decode kernel; prefill chunks: " + (
+        self.detail = (
+            "decode rows: C++ decode kernel"
+            + (" (rowwise: WORKBENCH_CPU_DECODE_KERNEL=rowwise)" if self._rowwise else "")
+            + "; prefill chunks: "
+        ) + (
             "C++ chunk kernel in bfloat16 with head_dim 64 or 128 (WORKBENCH_CPU_CHUNK_KERNEL=0 for the reference)"
             if self._chunks
             else "the reference's gather + SDPA ("
@@ -52,7 +58,7 @@ class CpuBackend:
         return lay
 
     def __repr__(self) -> str:
-        return f"CpuBackend(chunk_kernel={self._chunks})"
+        return f"CpuBackend(chunk_kernel={self._chunks}, rowwise_decode={self._rowwise})"
 
     def paged_attention(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         """Same arguments and result as :func:`~workbench.attention.torch_ref.paged_attention`. Decode rows go to the
@@ -75,18 +81,31 @@ class CpuBackend:
         return out
 
     def _decode_rows(self, q, k_cache, v_cache, meta, scale: float, out: torch.Tensor) -> None:
-        """Each decode group through the decode kernel; its lengths and block ids checked once per step."""
+        """The decode rows through the decode kernel in one call: the groups (which bound the reference's padding)
+        merged into one layout, its lengths and block ids checked once per step and reused by every layer."""
+        if not meta.decode_groups:
+            return
         checked = meta.extras.get("cpu_decode")
         if checked is None:
-            checked = []
-            for g in meta.decode_groups:
-                lens = g.context_lens if g.context_lens is not None else g.mask.reshape(g.size, -1).sum(-1)
-                checked.append(cpu_attention.check_decode(k_cache.shape[0], k_cache.shape[1], g.block_tables, lens))
-            meta.extras["cpu_decode"] = checked
-        for g, (tables, lens) in zip(meta.decode_groups, checked):
-            out[g.start : g.start + g.size] = self._ext.paged_decode_attention(
-                q[g.start : g.start + g.size].contiguous(), k_cache, v_cache, tables, lens, float(scale)
+            groups = sorted(meta.decode_groups, key=lambda g: g.start)
+            width = max(g.block_tables.shape[1] for g in groups)
+            tables = torch.cat(
+                [torch.nn.functional.pad(g.block_tables.long(), (0, width - g.block_tables.shape[1])) for g in groups]
             )
+            lens = torch.cat(
+                [g.context_lens if g.context_lens is not None else g.mask.reshape(g.size, -1).sum(-1) for g in groups]
+            )
+            if [g.start for g in groups] != list(itertools.accumulate([0] + [g.size for g in groups[:-1]])):
+                raise ValueError(
+                    f"decode groups must cover rows 0..{len(lens) - 1} in order; got starts "
+                    f"{[g.start for g in groups]} and sizes {[g.size for g in groups]}"
+                )
+            checked = cpu_attention.check_decode(k_cache.shape[0], k_cache.shape[1], tables, lens)
+            meta.extras["cpu_decode"] = checked
+        tables, lens = checked
+        n = tables.shape[0]
+        kernel = getattr(self._ext, self._decode_kernel)
+        out[:n] = kernel(q[:n].contiguous(), k_cache, v_cache, tables, lens, float(scale))
 
 
 def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

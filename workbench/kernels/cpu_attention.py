@@ -3,7 +3,9 @@
 The reference backend gathers each decode sequence's blocks into a padded tensor and calls SDPA; for one query token
 per sequence most of that time is the copy and a kernel shaped for long queries (``docs/benchmarks.md``, issue 17).
 This kernel reads every K/V row where it lies in the cache, as vLLM's CPU ``paged_attention_v1`` does, accumulating
-in float32. Its reference is :func:`workbench.kernels.reference.paged_decode_attention_ref`. Where the CPU has
+in float32; in bfloat16 with head_dim 64 or 128 on AVX512-BF16 it takes 16 positions per step with the dot-product
+instruction (q·k, then p·V with p rounded to bfloat16, as SDPA's bfloat16 kernel does), and ``rowwise=True`` keeps the
+earlier kernel (one dot product per position and head), the benchmarks' same-run baseline. Its reference is :func:`workbench.kernels.reference.paged_decode_attention_ref`. Where the CPU has
 AVX512-BF16, :func:`paged_attention` does the same for query chunks of any length in bfloat16 (prefill, chunked
 prefill over cached context, decode), with an online softmax; its reference is ``paged_prefill_attention_ref``.
 
@@ -76,6 +78,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    rowwise: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context: ``[num_seqs, num_heads, head_dim]``.
 
@@ -85,6 +88,7 @@ def paged_decode_attention(
         block_tables: ``[num_seqs, max_blocks]`` int64.
         context_lens: ``[num_seqs]`` int64 tokens, the query's own included (its K/V already written).
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        rowwise: the earlier kernel, one dot product per position and head (a baseline for benchmarks).
 
     Raises:
         ValueError: a length is below 1 or beyond its block table, or a block id the sequence reads is outside the
@@ -92,7 +96,9 @@ def paged_decode_attention(
         RuntimeError: the kernel cannot be built here (see :func:`load`), or a shape or dtype does not fit.
     """
     tables, lens = check_decode(k_cache.shape[0], k_cache.shape[1], block_tables, context_lens)
-    return load().paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, float(scale))
+    ext = load()
+    kernel = ext.paged_decode_attention_rowwise if rowwise else ext.paged_decode_attention
+    return kernel(q.contiguous(), k_cache, v_cache, tables, lens, float(scale))
 
 
 def check_decode(

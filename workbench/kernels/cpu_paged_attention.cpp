@@ -2,7 +2,10 @@
 //
 // The PyTorch reference (workbench/attention/torch_ref.py) gathers every sequence's blocks into a padded tensor and
 // calls SDPA; for one query token per sequence that costs a copy of the whole context and a kernel built for long
-// queries. This loop reads each K/V row where it lies (vLLM's CPU paged_attention_v1 does the same), in float32.
+// queries. These loops read each K/V row where it lies (vLLM's CPU paged_attention_v1 does the same), in float32.
+// Three versions, by dtype and head_dim: decode (float32 or bfloat16, any head_dim: one row at a time, converted to
+// float32), decode_bf16_dot (bfloat16, head_dim a multiple of 32, AVX512-BF16: one dot product per position and
+// head, "rowwise") and decode_rows (bfloat16, head_dim 64 or 128, AVX512-BF16: 16 positions per step, see below).
 //
 // Shapes (as paged_decode_attention_ref in reference.py):
 //   q            [num_seqs, num_heads, head_dim]                      float32 or bfloat16, contiguous
@@ -22,6 +25,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -188,8 +192,9 @@ void decode_bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k_cache, const
 // the reference's gather of the whole context and SDPA with an explicit mask (paged_prefill_attention_ref): K/V
 // rows are read where they lie, 16 positions at a time, with an online softmax (Dao et al., FlashAttention, 2022,
 // Algorithm 1; Milakov & Gimelshein, 2018) kept in float32 per (row, head).
-//   - q·k: vdpbf16ps on the bfloat16 rows as stored, 16 positions' partial sums reduced together by one
-//     shuffle tree (45 instructions for 16 dot products, where one horizontal sum each takes about 8);
+//   - q·k: 16 positions' K rows transposed once per KV head (transpose16: kt[i] lane j = dims 2i, 2i+1 of
+//     position j), then vdpbf16ps of each query's broadcast pair of dims against kt[i] gives all 16 scores at once,
+//     8 rows side by side (no horizontal sums; the tile's rows and the group's heads share the transpose);
 //   - p·V: p rounded to bfloat16 (as SDPA's bfloat16 CPU kernel does) and vdpbf16ps on V's rows interleaved in
 //     pairs of positions, built once per 16 positions and KV head and shared by the group's heads and the tile's rows.
 // Work is split into (sequence, tile of up to kTileRows query rows) jobs, longest first, handed out dynamically:
@@ -233,6 +238,48 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
 }
 
+// Transposes 16 rows of 16 32-bit words: out[c] lane r = in[r] lane c. Within 128-bit lanes first (unpack 32, 64),
+// then the 4 x 4 grid of 128-bit lanes across vectors (shuffle_i32x4 twice).
+inline void transpose16(const __m512i* in, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(in[2 * k], in[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(in[2 * k], in[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // u[4k+m], 128-bit lane L: column 4L+m of rows 4k .. 4k+3
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i a0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), a1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+    const __m512i b0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44), b1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+    out[m] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+    out[4 + m] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+    out[8 + m] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+    out[12 + m] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+  }
+}
+
+// The cache rows of positions t0 .. t0+15, walking the block table (no division per position); positions at or past
+// ``limit`` repeat the row of position limit-1, which callers mask. Returns how many are below limit (at most 16).
+inline int64_t rows_of(const int64_t* table, int64_t t0, int64_t limit, int64_t block_size, const c10::BFloat16* cache,
+                       int64_t row, const c10::BFloat16** p) {
+  const int64_t n = std::min<int64_t>(16, limit - t0);
+  int64_t b = t0 / block_size, o = t0 % block_size;
+  const c10::BFloat16* base = cache + table[b] * block_size * row;
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = base + o * row;
+    if (++o == block_size && t0 + j + 1 < limit) {
+      o = 0;
+      base = cache + table[++b] * block_size * row;
+    }
+  }
+  for (int64_t j = n; j < 16; ++j) p[j] = p[n - 1];
+  return n;
+}
+
 struct ChunkJob {
   int64_t seq, row0, rows, cost;
 };
@@ -258,23 +305,24 @@ void attend_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
   const B* kp[16];
   const B* vp[16];
   alignas(64) uint32_t pj[8];
+  const uint32_t* qw[kTileRows];  // each row's q as pairs of dims; rows past the job repeat its last (ignored)
+  for (int64_t r = 0; r < kTileRows; ++r)
+    qw[r] = reinterpret_cast<const uint32_t*>(q + (qbase + job.row0 + std::min(r, job.rows - 1)) * num_heads * D);
   for (int64_t t0 = 0; t0 <= last_pos; t0 += 16) {
-    const int64_t nt = std::min<int64_t>(16, ctx - t0);
-    for (int64_t j = 0; j < 16; ++j) {  // positions past the context read the last one (masked below)
-      const int64_t t = t0 + std::min<int64_t>(j, nt - 1);
-      const int64_t slot = table[t / block_size] * block_size + t % block_size;
-      kp[j] = k_cache + slot * row;
-      vp[j] = v_cache + slot * row;
-    }
+    const int64_t nt = rows_of(table, t0, ctx, block_size, k_cache, row, kp);  // past the context: masked below
+    for (int j = 0; j < 16; ++j) vp[j] = v_cache + (kp[j] - k_cache);
     // Ask now for the K/V rows of the 16 positions kAhead further on: blocks lie anywhere in the pool, so the
     // hardware prefetcher cannot guess the next one, and a long context streams from memory.
-    for (int64_t t = t0 + kAhead; t < std::min(t0 + kAhead + 16, last_pos + 1); ++t) {
-      const int64_t slot = table[t / block_size] * block_size + t % block_size;
-      const char* kn = reinterpret_cast<const char*>(k_cache + slot * row);
-      const char* vn = reinterpret_cast<const char*>(v_cache + slot * row);
-      for (int64_t b = 0; b < row * 2; b += 64) {
-        _mm_prefetch(kn + b, _MM_HINT_T0);
-        _mm_prefetch(vn + b, _MM_HINT_T0);
+    if (t0 + kAhead <= last_pos) {
+      const B* ahead[16];
+      const int64_t na = rows_of(table, t0 + kAhead, last_pos + 1, block_size, k_cache, row, ahead);
+      for (int64_t j = 0; j < na; ++j) {
+        const char* kn = reinterpret_cast<const char*>(ahead[j]);
+        const char* vn = reinterpret_cast<const char*>(v_cache + (ahead[j] - k_cache));
+        for (int64_t b = 0; b < row * 2; b += 64) {
+          _mm_prefetch(kn + b, _MM_HINT_T0);
+          _mm_prefetch(vn + b, _MM_HINT_T0);
+        }
       }
     }
     for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -287,23 +335,26 @@ void attend_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
           vv[jp * NF + 2 * c] = _mm512_unpacklo_epi16(a, b);
           vv[jp * NF + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
         }
-      for (int64_t r = 0; r < job.rows; ++r) {
-        const int64_t pos = first_pos + r;
-        if (t0 > pos) continue;  // this row sees none of these positions
-        const int64_t nvalid = std::min<int64_t>(nt, pos - t0 + 1);
-        const __mmask16 valid = static_cast<__mmask16>((1u << nvalid) - 1u);
-        const B* qrow = q + (qbase + job.row0 + r) * num_heads * D;
-        for (int64_t hq = h * g; hq < (h + 1) * g; ++hq) {
-          __m512i qv[NQ];
-          for (int c = 0; c < NQ; ++c) qv[c] = _mm512_loadu_si512(qrow + hq * D + c * 32);
-          __m512 dots[16];
-          for (int j = 0; j < 16; ++j) {
-            __m512 a = _mm512_setzero_ps();
-            for (int c = 0; c < NQ; ++c)
-              a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(kp[j] + h * D + c * 32));
-            dots[kSlot[j]] = a;
-          }
-          __m512 s = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+      // K transposed once per 16 positions and KV head: kt[i] lane j holds dims (2i, 2i+1) of position j, so one
+      // vdpbf16ps with a query's broadcast pair of dims adds to all 16 positions' scores at once, for 8 rows.
+      __m512i kt[D / 2];
+      for (int c = 0; c < NQ; ++c) {
+        __m512i in[16];
+        for (int j = 0; j < 16; ++j) in[j] = _mm512_loadu_si512(kp[j] + h * D + c * 32);
+        transpose16(in, kt + c * 16);
+      }
+      for (int64_t hq = h * g; hq < (h + 1) * g; ++hq) {
+        __m512 sr[kTileRows];
+        for (int r = 0; r < kTileRows; ++r) sr[r] = _mm512_setzero_ps();
+        for (int i = 0; i < D / 2; ++i)
+          for (int r = 0; r < kTileRows; ++r)
+            sr[r] = _mm512_dpbf16_ps(sr[r], (__m512bh)_mm512_set1_epi32(qw[r][hq * D / 2 + i]), (__m512bh)kt[i]);
+        for (int64_t r = 0; r < job.rows; ++r) {
+          const int64_t pos = first_pos + r;
+          if (t0 > pos) continue;  // this row sees none of these positions
+          const int64_t nvalid = std::min<int64_t>(nt, pos - t0 + 1);
+          const __mmask16 valid = static_cast<__mmask16>((1u << nvalid) - 1u);
+          __m512 s = _mm512_mul_ps(sr[r], _mm512_set1_ps(scale));
           s = _mm512_mask_mov_ps(_mm512_set1_ps(kMasked), valid, s);
           float* st = state + (r * num_heads + hq) * stride;
           const float m_old = st[D];
@@ -365,12 +416,130 @@ void attend_chunks(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c
     }
   });
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Decode rows, head_dim D (64 or 128): one query per sequence, in the chunk kernel's instructions but two passes
+// instead of an online softmax, since one row's scores fit in a buffer (num_heads x ctx floats).
+//   1. q·k for 16 positions at a time per query head (vdpbf16ps + sum16), the scores stored; the K rows 32 positions
+//      on are prefetched to L1, their V rows to L2 (pass 2 reads them again, a sequence's V fits in L2);
+//   2. softmax per head in float32 (exp16), p stored rounded to bfloat16 as pairs of positions;
+//   3. p·V with vdpbf16ps on V's rows interleaved in pairs, the accumulators shared over the context.
+// Sequences are handed out longest first, one at a time (contexts differ by thousands of tokens in one batch).
+template <int D>
+void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                const int64_t* table, int64_t ctx, c10::BFloat16* out, int64_t num_heads, int64_t num_kv_heads,
+                int64_t block_size, float scale, std::vector<float>& sc, std::vector<uint16_t>& pb, float* acc,
+                __m512i* vv) {
+  using B = c10::BFloat16;
+  constexpr int NQ = D / 32, NF = D / 16;
+  const int64_t g = num_heads / num_kv_heads, row = num_kv_heads * D, cpad = (ctx + 15) / 16 * 16;
+  sc.resize(num_heads * cpad);
+  pb.resize(num_heads * cpad);
+  const B* kp[16];
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const int64_t nt = rows_of(table, t0, ctx, block_size, k_cache, row, kp);
+    if (t0 + kAhead < ctx) {  // 16 and 48 positions ahead, V to L1 too, or V in pass 2 were no better
+      const B* ahead[16];
+      const int64_t na = rows_of(table, t0 + kAhead, ctx, block_size, k_cache, row, ahead);
+      for (int64_t j = 0; j < na; ++j) {
+        const char* kn = reinterpret_cast<const char*>(ahead[j]);
+        const char* vn = reinterpret_cast<const char*>(v_cache + (ahead[j] - k_cache));
+        for (int64_t b = 0; b < row * 2; b += 64) {
+          _mm_prefetch(kn + b, _MM_HINT_T0);
+          _mm_prefetch(vn + b, _MM_HINT_T1);
+        }
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t hq = h * g; hq < (h + 1) * g; ++hq) {
+        __m512i qv[NQ];
+        for (int c = 0; c < NQ; ++c) qv[c] = _mm512_loadu_si512(q + hq * D + c * 32);
+        __m512 dots[16];
+        for (int j = 0; j < 16; ++j) {
+          __m512 a = _mm512_setzero_ps();
+          for (int c = 0; c < NQ; ++c)
+            a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(kp[j] + h * D + c * 32));
+          dots[kSlot[j]] = a;
+        }
+        const __m512 s = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+        _mm512_storeu_ps(sc.data() + hq * cpad + t0, _mm512_mask_mov_ps(_mm512_set1_ps(kMasked), valid, s));
+      }
+  }
+  std::vector<float> inv(num_heads);
+  const __mmask16 last = static_cast<__mmask16>((1u << (ctx - (cpad - 16))) - 1u);
+  for (int64_t hq = 0; hq < num_heads; ++hq) {
+    const float* sh = sc.data() + hq * cpad;
+    __m512 m = _mm512_set1_ps(kMasked);
+    for (int64_t t0 = 0; t0 < cpad; t0 += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sh + t0));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 z = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < cpad; t0 += 16) {
+      const __m512 p = _mm512_maskz_mov_ps(t0 + 16 < cpad ? __mmask16(0xFFFF) : last,
+                                           exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + t0), mx)));
+      z = _mm512_add_ps(z, p);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + hq * cpad + t0), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    inv[hq] = 1.f / _mm512_reduce_add_ps(z);
+  }
+  std::fill(acc, acc + num_heads * D, 0.f);
+  const B* vp[16];
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const int64_t nt = rows_of(table, t0, ctx, block_size, v_cache, row, vp);
+    const int64_t npairs = (nt + 1) / 2;  // a pair past the context has p = 0
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t jp = 0; jp < npairs; ++jp)  // (v[2jp][d], v[2jp+1][d]) interleaved, as in attend_rows
+        for (int c = 0; c < NQ; ++c) {
+          const __m512i a = _mm512_loadu_si512(vp[2 * jp] + h * D + c * 32);
+          const __m512i b = _mm512_loadu_si512(vp[2 * jp + 1] + h * D + c * 32);
+          vv[jp * NF + 2 * c] = _mm512_unpacklo_epi16(a, b);
+          vv[jp * NF + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+      for (int64_t hq = h * g; hq < (h + 1) * g; ++hq) {
+        const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb.data() + hq * cpad + t0);
+        float* ah = acc + hq * D;
+        __m512 a[NF];
+        for (int c = 0; c < NF; ++c) a[c] = _mm512_loadu_ps(ah + c * 16);
+        for (int64_t jp = 0; jp < npairs; ++jp) {
+          const __m512i p2 = _mm512_set1_epi32(pp[jp]);
+          for (int c = 0; c < NF; ++c) a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)p2, (__m512bh)vv[jp * NF + c]);
+        }
+        for (int c = 0; c < NF; ++c) _mm512_storeu_ps(ah + c * 16, a[c]);
+      }
+    }
+  }
+  for (int64_t hq = 0; hq < num_heads; ++hq)
+    for (int64_t i = 0; i < D; ++i) {  // accumulator lane i holds dim c*32 + 8k + 4*half + m (see the unpack)
+      const int64_t x = i / 16, lane = i % 16, k = lane / 4, m = lane % 4;
+      out[hq * D + (x / 2) * 32 + 8 * k + 4 * (x % 2) + m] = B(acc[hq * D + i] * inv[hq]);
+    }
+}
+
+template <int D>
+void decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                 const int64_t* block_tables, const int64_t* context_lens, c10::BFloat16* out, int64_t num_seqs,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return context_lens[a] > context_lens[b]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_seqs), 1, [&](int64_t, int64_t) {
+    std::vector<float> sc, acc(num_heads * D);
+    std::vector<uint16_t> pb;
+    __m512i vv[8 * D / 16];
+    for (int64_t i = next++; i < num_seqs; i = next++) {
+      const int64_t s = order[i];
+      decode_seq<D>(q + s * num_heads * D, k_cache, v_cache, block_tables + s * max_blocks, context_lens[s],
+                    out + s * num_heads * D, num_heads, num_kv_heads, block_size, scale, sc, pb, acc.data(), vv);
+    }
+  });
+}
 #else
 constexpr bool kHaveBf16Dot = false;
 #endif
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                               torch::Tensor context_lens, double scale, bool rowwise) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q must be [num_seqs, num_heads, head_dim] and the caches [num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -387,6 +556,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const int64_t max_blocks = block_tables.size(1);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128) && !rowwise) {
+    using B = c10::BFloat16;
+    (head_dim == 64 ? decode_rows<64> : decode_rows<128>)(
+        static_cast<const B*>(q.data_ptr()), static_cast<const B*>(k_cache.data_ptr()),
+        static_cast<const B*>(v_cache.data_ptr()), block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+        static_cast<B*>(out.data_ptr()), num_seqs, num_heads, num_kv_heads, block_size, max_blocks,
+        static_cast<float>(scale));
+    return out;
+  }
   if (q.scalar_type() == at::kBFloat16 && head_dim % 32 == 0) {
     using B = c10::BFloat16;
     decode_bf16_dot(static_cast<const B*>(q.data_ptr()), static_cast<const B*>(k_cache.data_ptr()),
@@ -410,6 +588,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// bfloat16 with head_dim 64 or 128 where AVX512-BF16 is compiled in: decode_rows (16 positions per step); otherwise
+// decode_bf16_dot (bfloat16, head_dim a multiple of 32) or decode (float32 inside).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, false);
+}
+
+// The same without decode_rows: one dot product per position and head (the kernel before decode_rows, kept as the
+// benchmarks' same-run baseline; WORKBENCH_CPU_DECODE_KERNEL=rowwise selects it in the cpu backend).
+torch::Tensor paged_decode_attention_rowwise(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                             torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, true);
+}
 
 // Causal attention of query chunks over their paged context (see attend_chunks above); bfloat16, head_dim 64 or 128,
 // and only where AVX512-BF16 is compiled in (chunk_kernel is False otherwise). The Python wrapper checks lengths.
@@ -457,6 +648,8 @@ void register_layer_ops(pybind11::module& m);  // cpu_layer_ops.cpp, built into 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_ops(m);
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention on the CPU (see the file's head)");
+  m.def("paged_decode_attention_rowwise", &paged_decode_attention_rowwise,
+        "Paged decode attention, one dot product per position and head (the same-run baseline)");
   m.def("paged_attention", &paged_attention, "Causal attention of query chunks over a paged context, bfloat16");
   m.attr("bf16_dot_product") = kHaveBf16Dot;
 }
