@@ -219,6 +219,72 @@ def test_the_backend_runs_all_decode_groups_in_one_kernel_call(monkeypatch, flag
 
 
 @needs_toolchain
+def test_both_kernels_refuse_what_would_crash_the_process_and_name_it():
+    """Found by a new-user trial: no KV heads divided by zero (SIGFPE) and caches off the CPU were read (segfault).
+    Both kernels now refuse them, and the layout's own faults, naming the value."""
+    q, kc, vc, tables, ctx = _case(1, torch.bfloat16, 6, 2, 16, [5, 40])
+    no_heads = torch.zeros(64, 16, 0, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"num_heads \(6\) must be a multiple of the caches' num_kv_heads \(0\)"):
+        cpu_attention.paged_decode_attention(q, no_heads, no_heads, tables, ctx, 0.125)
+    with pytest.raises(RuntimeError, match=r"k_cache is on meta: the CPU kernels read host memory"):
+        cpu_attention.paged_decode_attention(q, kc.to("meta"), vc.to("meta"), tables, ctx, 0.125)
+    with pytest.raises(RuntimeError, match=r"q's num_heads \(5\) must be a multiple"):
+        cpu_attention.paged_decode_attention(q[:, :5], kc, vc, tables, ctx, 0.125)
+    with pytest.raises(RuntimeError, match=r"q's head_dim \(32\) differs from the caches' \(64\)"):
+        cpu_attention.paged_decode_attention(q[..., :32].contiguous(), kc, vc, tables, ctx, 0.125)
+    with pytest.raises(RuntimeError, match=r"one dtype, got BFloat16, Float and BFloat16"):
+        cpu_attention.paged_decode_attention(q, kc.float(), vc, tables, ctx, 0.125)
+    with pytest.raises(RuntimeError, match=r"float32 or bfloat16, got Half"):
+        cpu_attention.paged_decode_attention(q.half(), kc.half(), vc.half(), tables, ctx, 0.125)
+    with pytest.raises(ValueError, match=r"context_lens must hold integers \(int32 or int64\), got torch.float32"):
+        cpu_attention.paged_decode_attention(q, kc, vc, tables, torch.tensor([5.7, 40.2]), 0.125)
+    with pytest.raises(ValueError, match=r"one length per block-table row \(2\), got shape \(3,\)"):
+        cpu_attention.paged_decode_attention(q, kc, vc, tables, torch.tensor([5, 40, 1]), 0.125)
+    with pytest.raises(RuntimeError, match=r"q has 1 rows, block_tables is \[2, 4\]"):
+        cpu_attention.paged_decode_attention(q[:1], kc, vc, tables, ctx, 0.125)
+    got = cpu_attention.paged_decode_attention(q, kc, vc, tables.tolist(), [5, 40], 0.125)  # lists are taken
+    assert torch.equal(got, cpu_attention.paged_decode_attention(q, kc, vc, tables, ctx, 0.125))
+    if cpu_attention.chunk_kernel_available():
+        start = torch.tensor([0, 1, 2])
+        with pytest.raises(RuntimeError, match=r"num_kv_heads \(0\), which must be at least 1"):
+            cpu_attention.paged_attention(q, no_heads, no_heads, tables, start, ctx, 0.125)
+        with pytest.raises(RuntimeError, match=r"v_cache is on meta"):
+            cpu_attention.paged_attention(q, kc, vc.to("meta"), tables, start, ctx, 0.125)
+
+
+def test_a_misspelled_decode_kernel_switch_is_refused(monkeypatch):
+    from workbench.attention import cpu_backend
+
+    monkeypatch.setenv("WORKBENCH_CPU_DECODE_KERNEL", "RowWise")
+    with pytest.raises(ValueError, match=r"WORKBENCH_CPU_DECODE_KERNEL='RowWise' is not a decode kernel.*'rowwise'"):
+        cpu_backend.CpuBackend()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(monkeypatch, tmp_path):
+    """torch's builder waits forever on a ``lock`` file; one left by a killed build (older than STALE_LOCK_S)
+    would hang every later load."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "some_build" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    cpu_attention._remove_stale_lock("some_build")
+    assert lock.exists()  # a build may be running
+    old = time.time() - cpu_attention.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpu_attention._remove_stale_lock("some_build")
+    assert not lock.exists()
+
+
+def test_two_torch_installations_get_two_build_folders(monkeypatch):
+    name = cpu_attention._extension_name()
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    assert cpu_attention._extension_name() != name
+
+
+@needs_toolchain
 def test_a_length_outside_the_table_is_refused_before_the_kernel_reads():
     q, kc, vc, tables, _ = _case(0, torch.float32, 4, 4, 16, [20])
     with pytest.raises(ValueError, match=r"context_lens span 0\.\.0 tokens, but each must be in 1\.\.48"):
@@ -290,7 +356,7 @@ def test_auto_in_bfloat16_runs_the_kernel_in_the_engine_and_says_why(tiny_model,
         eng = LLMEngine(EngineConfig(model=str(tiny_model), dtype="bfloat16", block_size=4, max_model_len=64))
     assert eng.executor.attn_backend.name == "cpu"
     assert "attention backend cpu (attention_backend=auto: a bfloat16 KV cache on the CPU, g++ and ninja found)" in caplog.text
-    assert "decode rows: C++ decode kernel; prefill chunks: " in caplog.text  # which kernel takes which rows
+    assert "decode rows: C++ decode kernel, " in caplog.text and "; prefill chunks: " in caplog.text  # which kernel takes which rows
     caplog.clear()
     with caplog.at_level("INFO", logger="workbench"):
         eng32 = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", block_size=4, max_model_len=64))

@@ -122,6 +122,8 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu", kv_dtype
 
         try:
             return CpuBackend()
+        except ValueError:  # a setting to fix (WORKBENCH_CPU_DECODE_KERNEL), not a failed build
+            raise
         except Exception as e:  # a broken toolchain must not stop an engine that did not ask for the kernel
             if name != "auto":
                 raise

@@ -27,14 +27,25 @@ class CpuBackend:
     write_kv = staticmethod(torch_ref.write_kv)
 
     def __init__(self) -> None:
+        decode = os.environ.get("WORKBENCH_CPU_DECODE_KERNEL", "")
+        if decode not in ("", "default", "rowwise"):
+            raise ValueError(
+                f"WORKBENCH_CPU_DECODE_KERNEL={decode!r} is not a decode kernel: unset it (or 'default') for the "
+                "16-position kernel, or set 'rowwise' for the earlier one"
+            )
         self._ext = cpu_attention.load()
         self._chunks = bool(self._ext.bf16_dot_product) and os.environ.get("WORKBENCH_CPU_CHUNK_KERNEL", "1") != "0"
-        self._rowwise = os.environ.get("WORKBENCH_CPU_DECODE_KERNEL", "") == "rowwise"
+        self._rowwise = decode == "rowwise"
         self._decode_kernel = "paged_decode_attention" + ("_rowwise" if self._rowwise else "")
         #: which kernel takes which rows (the engine's start-up log line carries it)
         self.detail = (
-            "decode rows: C++ decode kernel"
-            + (" (rowwise: WORKBENCH_CPU_DECODE_KERNEL=rowwise)" if self._rowwise else "")
+            "decode rows: C++ decode kernel, "
+            + (
+                "one position at a time (WORKBENCH_CPU_DECODE_KERNEL=rowwise)"
+                if self._rowwise
+                else "16 positions per step in bfloat16 with head_dim 64 or 128"
+                + (" (else one position at a time)" if self._ext.bf16_dot_product else " (not here: no AVX512-BF16)")
+            )
             + "; prefill chunks: "
         ) + (
             "C++ chunk kernel in bfloat16 with head_dim 64 or 128 (WORKBENCH_CPU_CHUNK_KERNEL=0 for the reference)"

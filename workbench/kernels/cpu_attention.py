@@ -10,8 +10,10 @@ AVX512-BF16, :func:`paged_attention` does the same for query chunks of any lengt
 prefill over cached context, decode), with an online softmax; its reference is ``paged_prefill_attention_ref``.
 
 The source is compiled on first use with :func:`torch.utils.cpp_extension.load` (g++ and ninja; about a minute) for
-this CPU (``-march=native``), and cached under ``~/.cache/torch_extensions`` by a name that includes a digest of the
-source, the CPU's flags and torch's version, so a move to another CPU or torch rebuilds instead of crashing.
+this CPU (``-march=native``), and cached under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR``) by a name that
+includes a digest of the source, the CPU's flags, torch's version and where torch is installed, so a move to another
+CPU or torch rebuilds instead of crashing, and two virtual environments keep a build each. A build killed midway leaves
+a ``lock`` file that would make the next one wait forever; :func:`load` removes one older than 15 minutes.
 ``python -m workbench.kernels.cpu_attention`` builds it ahead of time (``make venv`` does).
 """
 
@@ -47,7 +49,32 @@ def _extension_name() -> str:
         digest.update(src.read_bytes())
     digest.update(" ".join(sorted(_cpu_flags())).encode())
     digest.update(torch.__version__.encode())
+    # and per torch installation: two virtual environments with the same torch write different build files (their
+    # include paths), so sharing one build folder would rebuild it on every switch between them
+    digest.update(str(Path(torch.__file__).resolve().parent).encode())
     return f"workbench_cpu_attention_{digest.hexdigest()[:12]}"
+
+
+#: a build takes about a minute; a lock older than this was left by a build that was killed
+STALE_LOCK_S = 900
+
+
+def _remove_stale_lock(name: str) -> None:
+    """torch's builder waits, forever and silently, while its build folder holds a ``lock`` file; a build killed
+    midway (Ctrl-C, a timeout) leaves one behind. Remove it when it is older than :data:`STALE_LOCK_S`."""
+    import logging
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logging.getLogger(__name__).warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,8 +89,10 @@ def load():
         raise RuntimeError(f"the CPU attention kernel cannot be built: {missing}")
     from torch.utils.cpp_extension import load as build
 
+    name = _extension_name()
+    _remove_stale_lock(name)
     return build(
-        name=_extension_name(),
+        name=name,
         sources=[str(src) for src in SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
         extra_ldflags=["-fopenmp"],
@@ -110,8 +139,14 @@ def check_decode(
     Raises:
         ValueError: as :func:`paged_decode_attention`.
     """
+    block_tables, context_lens = _int_tensor("block_tables", block_tables), _int_tensor("context_lens", context_lens)
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables must be [num_seqs, max_blocks], got shape {tuple(block_tables.shape)}")
+    if context_lens.dim() != 1 or context_lens.numel() != block_tables.shape[0]:
+        raise ValueError(
+            f"context_lens must be [num_seqs] with one length per block-table row ({block_tables.shape[0]}), "
+            f"got shape {tuple(context_lens.shape)}"
+        )
     lens = context_lens.to(torch.int64).contiguous()
     if lens.numel():
         lo, hi = int(lens.min()), int(lens.max())
@@ -123,6 +158,17 @@ def check_decode(
     tables = block_tables.to(torch.int64).contiguous()
     _check_block_ids(tables, lens, num_blocks, block_size)
     return tables, lens
+
+
+def _int_tensor(name: str, x) -> torch.Tensor:
+    """``x`` as a CPU integer tensor (a list is taken as one); ``ValueError`` naming ``name`` for floats or another
+    device, whose values the kernel would truncate or could not read."""
+    t = torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers (int32 or int64), got {t.dtype}: convert with .long()")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}: the C++ kernels read host memory")
+    return t
 
 
 def _check_block_ids(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -206,8 +252,12 @@ def check_chunks(
     Raises:
         ValueError: as :func:`paged_attention`.
     """
+    block_tables, query_start = _int_tensor("block_tables", block_tables), _int_tensor("query_start", query_start)
+    context_lens = _int_tensor("context_lens", context_lens)
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables must be [num_seqs, max_blocks], got shape {tuple(block_tables.shape)}")
+    if context_lens.dim() != 1:
+        raise ValueError(f"context_lens must be [num_seqs], got shape {tuple(context_lens.shape)}")
     starts = query_start.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     s = starts.tolist() if starts.dim() == 1 else None

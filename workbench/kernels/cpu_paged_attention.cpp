@@ -538,21 +538,42 @@ void decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
 constexpr bool kHaveBf16Dot = false;
 #endif
 
+// Checks both kernels share, each refusal naming what it found (before any read): every tensor on the CPU and
+// contiguous, the index tensors int64, q [tokens, num_heads, head_dim] and the caches [num_blocks, block_size,
+// num_kv_heads, head_dim] with num_kv_heads >= 1 dividing num_heads.
+void check_tensors(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const std::vector<std::pair<const char*, torch::Tensor>>& index) {
+  std::vector<std::pair<const char*, torch::Tensor>> all = {{"q", q}, {"k_cache", k_cache}, {"v_cache", v_cache}};
+  all.insert(all.end(), index.begin(), index.end());
+  for (const auto& [name, t] : all) {
+    TORCH_CHECK(t.device().is_cpu(), name, " is on ", t.device(), ": the CPU kernels read host memory (use .cpu())");
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous (use .contiguous())");
+  }
+  for (const auto& [name, t] : index)
+    TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  TORCH_CHECK(q.dim() == 3, "q must be [tokens, num_heads, head_dim], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "q's head_dim (", q.size(2), ") differs from the caches' (", k_cache.size(3),
+              ")");
+  TORCH_CHECK(k_cache.size(2) >= 1 && q.size(1) % k_cache.size(2) == 0, "q's num_heads (", q.size(1),
+              ") must be a multiple of the caches' num_kv_heads (", k_cache.size(2), "), which must be at least 1");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must have one dtype, got ", q.scalar_type(), ", ", k_cache.scalar_type(), " and ",
+              v_cache.scalar_type());
+}
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                                torch::Tensor context_lens, double scale, bool rowwise) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "q must be [num_seqs, num_heads, head_dim] and the caches [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must have one dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "block_tables and context_lens must be int64");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
-                  context_lens.is_contiguous(), "every tensor must be contiguous");
+  check_tensors(q, k_cache, v_cache, {{"block_tables", block_tables}, {"context_lens", context_lens}});
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "the decode kernel takes float32 or bfloat16, got ", q.scalar_type(), " (convert q and the caches)");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head_dim or head counts do not match");
-  TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "one block table and length per sequence");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && context_lens.dim() == 1 &&
+                  context_lens.size(0) == num_seqs, "one block-table row and one length per sequence: q has ", num_seqs,
+              " rows, block_tables is ", block_tables.sizes(), ", context_lens ", context_lens.sizes());
   auto out = torch::empty_like(q);
   const int64_t max_blocks = block_tables.size(1);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -606,19 +627,14 @@ torch::Tensor paged_decode_attention_rowwise(torch::Tensor q, torch::Tensor k_ca
 // and only where AVX512-BF16 is compiled in (chunk_kernel is False otherwise). The Python wrapper checks lengths.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor query_start, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "q must be [num_tokens, num_heads, head_dim] and the caches [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16, "q and the caches must be bfloat16");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
-                  context_lens.scalar_type() == at::kLong, "block_tables, query_start and context_lens must be int64");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
-                  query_start.is_contiguous() && context_lens.is_contiguous(), "every tensor must be contiguous");
+  check_tensors(q, k_cache, v_cache,
+                {{"block_tables", block_tables}, {"query_start", query_start}, {"context_lens", context_lens}});
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "the chunk kernel takes bfloat16, got ", q.scalar_type());
   const int64_t num_heads = q.size(1), head_dim = q.size(2), num_seqs = context_lens.size(0);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head_dim or head counts do not match");
-  TORCH_CHECK(block_tables.size(0) == num_seqs && query_start.size(0) == num_seqs + 1,
-              "one block table and length per sequence, and num_seqs + 1 query starts");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && query_start.dim() == 1 &&
+                  query_start.size(0) == num_seqs + 1, "one block-table row per sequence and num_seqs + 1 query starts: ",
+              num_seqs, " context lengths, block_tables ", block_tables.sizes(), ", query_start ", query_start.sizes());
   auto out = torch::empty_like(q);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   using B = c10::BFloat16;
