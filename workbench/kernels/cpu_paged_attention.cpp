@@ -280,6 +280,23 @@ inline int64_t rows_of(const int64_t* table, int64_t t0, int64_t limit, int64_t 
   return n;
 }
 
+// Prefetches the K rows (to L1) and V rows (to the level VHint names) of positions t0 .. t0+15 below limit.
+template <_mm_hint VHint>
+inline void prefetch_rows(const int64_t* table, int64_t t0, int64_t limit, int64_t block_size,
+                          const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t row) {
+  if (t0 >= limit) return;
+  const c10::BFloat16* ahead[16];
+  const int64_t n = rows_of(table, t0, limit, block_size, k_cache, row, ahead);
+  for (int64_t j = 0; j < n; ++j) {
+    const char* kn = reinterpret_cast<const char*>(ahead[j]);
+    const char* vn = reinterpret_cast<const char*>(v_cache + (ahead[j] - k_cache));
+    for (int64_t b = 0; b < row * 2; b += 64) {
+      _mm_prefetch(kn + b, _MM_HINT_T0);
+      _mm_prefetch(vn + b, VHint);
+    }
+  }
+}
+
 struct ChunkJob {
   int64_t seq, row0, rows, cost;
 };
@@ -313,18 +330,7 @@ void attend_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
     for (int j = 0; j < 16; ++j) vp[j] = v_cache + (kp[j] - k_cache);
     // Ask now for the K/V rows of the 16 positions kAhead further on: blocks lie anywhere in the pool, so the
     // hardware prefetcher cannot guess the next one, and a long context streams from memory.
-    if (t0 + kAhead <= last_pos) {
-      const B* ahead[16];
-      const int64_t na = rows_of(table, t0 + kAhead, last_pos + 1, block_size, k_cache, row, ahead);
-      for (int64_t j = 0; j < na; ++j) {
-        const char* kn = reinterpret_cast<const char*>(ahead[j]);
-        const char* vn = reinterpret_cast<const char*>(v_cache + (ahead[j] - k_cache));
-        for (int64_t b = 0; b < row * 2; b += 64) {
-          _mm_prefetch(kn + b, _MM_HINT_T0);
-          _mm_prefetch(vn + b, _MM_HINT_T0);
-        }
-      }
-    }
+    prefetch_rows<_MM_HINT_T0>(table, t0 + kAhead, last_pos + 1, block_size, k_cache, v_cache, row);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       // V's rows in pairs of positions, interleaved (v[2i][d], v[2i+1][d]) so that one vdpbf16ps adds two
       // positions' p·v to 16 dims; within a 128-bit lane unpack takes dims 8k..8k+3 (lo) and 8k+4..8k+7 (hi).
@@ -438,18 +444,8 @@ void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10:
   const B* kp[16];
   for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
     const int64_t nt = rows_of(table, t0, ctx, block_size, k_cache, row, kp);
-    if (t0 + kAhead < ctx) {  // 16 and 48 positions ahead, V to L1 too, or V in pass 2 were no better
-      const B* ahead[16];
-      const int64_t na = rows_of(table, t0 + kAhead, ctx, block_size, k_cache, row, ahead);
-      for (int64_t j = 0; j < na; ++j) {
-        const char* kn = reinterpret_cast<const char*>(ahead[j]);
-        const char* vn = reinterpret_cast<const char*>(v_cache + (ahead[j] - k_cache));
-        for (int64_t b = 0; b < row * 2; b += 64) {
-          _mm_prefetch(kn + b, _MM_HINT_T0);
-          _mm_prefetch(vn + b, _MM_HINT_T1);
-        }
-      }
-    }
+    // 16 or 48 positions ahead, V to L1 too, or V only in pass 2 were no better
+    prefetch_rows<_MM_HINT_T1>(table, t0 + kAhead, ctx, block_size, k_cache, v_cache, row);
     const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t hq = h * g; hq < (h + 1) * g; ++hq) {
