@@ -98,7 +98,7 @@ class CpuBackend:
             return
         checked = meta.extras.get("cpu_decode")
         if checked is None:
-            groups = sorted(meta.decode_groups, key=lambda g: g.start)
+            groups = meta.decode_groups  # built in row order by the executor; checked below
             width = max(g.block_tables.shape[1] for g in groups)
             tables = torch.cat(
                 [torch.nn.functional.pad(g.block_tables.long(), (0, width - g.block_tables.shape[1])) for g in groups]

@@ -25,7 +25,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -297,6 +296,30 @@ inline void prefetch_rows(const int64_t* table, int64_t t0, int64_t limit, int64
   }
 }
 
+// V's rows in pairs of positions, interleaved (v[2i][d], v[2i+1][d]) so that one vdpbf16ps adds two positions' p·v to
+// 16 dims; within a 128-bit lane unpack takes dims 8k..8k+3 (lo) and 8k+4..8k+7 (hi). KV head h, pairs 0..npairs-1.
+template <int D>
+inline void interleave_v_pairs(const c10::BFloat16* const* vp, int64_t h, int64_t npairs, __m512i* vv) {
+  constexpr int NQ = D / 32, NF = D / 16;
+  for (int64_t jp = 0; jp < npairs; ++jp)
+    for (int c = 0; c < NQ; ++c) {
+      const __m512i a = _mm512_loadu_si512(vp[2 * jp] + h * D + c * 32);
+      const __m512i b = _mm512_loadu_si512(vp[2 * jp + 1] + h * D + c * 32);
+      vv[jp * NF + 2 * c] = _mm512_unpacklo_epi16(a, b);
+      vv[jp * NF + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+}
+
+// One head's output from accumulators built on interleave_v_pairs' vectors, times inv (1 / the softmax's sum):
+// accumulator lane i holds dim c*32 + 8k + 4*half + m (see the unpack).
+template <int D>
+inline void store_head(const float* acc, float inv, c10::BFloat16* out) {
+  for (int64_t i = 0; i < D; ++i) {
+    const int64_t x = i / 16, lane = i % 16, k = lane / 4, m = lane % 4;
+    out[(x / 2) * 32 + 8 * k + 4 * (x % 2) + m] = c10::BFloat16(acc[i] * inv);
+  }
+}
+
 struct ChunkJob {
   int64_t seq, row0, rows, cost;
 };
@@ -332,15 +355,7 @@ void attend_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
     // hardware prefetcher cannot guess the next one, and a long context streams from memory.
     prefetch_rows<_MM_HINT_T0>(table, t0 + kAhead, last_pos + 1, block_size, k_cache, v_cache, row);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      // V's rows in pairs of positions, interleaved (v[2i][d], v[2i+1][d]) so that one vdpbf16ps adds two
-      // positions' p·v to 16 dims; within a 128-bit lane unpack takes dims 8k..8k+3 (lo) and 8k+4..8k+7 (hi).
-      for (int jp = 0; jp < 8; ++jp)
-        for (int c = 0; c < NQ; ++c) {
-          const __m512i a = _mm512_loadu_si512(vp[2 * jp] + h * D + c * 32);
-          const __m512i b = _mm512_loadu_si512(vp[2 * jp + 1] + h * D + c * 32);
-          vv[jp * NF + 2 * c] = _mm512_unpacklo_epi16(a, b);
-          vv[jp * NF + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-        }
+      interleave_v_pairs<D>(vp, h, 8, vv);
       // K transposed once per 16 positions and KV head: kt[i] lane j holds dims (2i, 2i+1) of position j, so one
       // vdpbf16ps with a query's broadcast pair of dims adds to all 16 positions' scores at once, for 8 rows.
       __m512i kt[D / 2];
@@ -385,11 +400,7 @@ void attend_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
     B* o = out + (qbase + job.row0 + r) * num_heads * D;
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       const float* st = state + (r * num_heads + hq) * stride;
-      const float inv = 1.f / st[D + 1];
-      for (int64_t i = 0; i < D; ++i) {  // accumulator lane i holds dim c*32 + 8k + 4*half + m (see the unpack)
-        const int64_t x = i / 16, lane = i % 16, k = lane / 4, m = lane % 4;
-        o[hq * D + (x / 2) * 32 + 8 * k + 4 * (x % 2) + m] = B(st[i] * inv);
-      }
+      store_head<D>(st, 1.f / st[D + 1], o + hq * D);
     }
   }
 }
@@ -435,7 +446,7 @@ template <int D>
 void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                 const int64_t* table, int64_t ctx, c10::BFloat16* out, int64_t num_heads, int64_t num_kv_heads,
                 int64_t block_size, float scale, std::vector<float>& sc, std::vector<uint16_t>& pb, float* acc,
-                __m512i* vv) {
+                float* inv /* num_heads */, __m512i* vv) {
   using B = c10::BFloat16;
   constexpr int NQ = D / 32, NF = D / 16;
   const int64_t g = num_heads / num_kv_heads, row = num_kv_heads * D, cpad = (ctx + 15) / 16 * 16;
@@ -462,7 +473,6 @@ void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10:
         _mm512_storeu_ps(sc.data() + hq * cpad + t0, _mm512_mask_mov_ps(_mm512_set1_ps(kMasked), valid, s));
       }
   }
-  std::vector<float> inv(num_heads);
   const __mmask16 last = static_cast<__mmask16>((1u << (ctx - (cpad - 16))) - 1u);
   for (int64_t hq = 0; hq < num_heads; ++hq) {
     const float* sh = sc.data() + hq * cpad;
@@ -484,13 +494,7 @@ void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10:
     const int64_t nt = rows_of(table, t0, ctx, block_size, v_cache, row, vp);
     const int64_t npairs = (nt + 1) / 2;  // a pair past the context has p = 0
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      for (int64_t jp = 0; jp < npairs; ++jp)  // (v[2jp][d], v[2jp+1][d]) interleaved, as in attend_rows
-        for (int c = 0; c < NQ; ++c) {
-          const __m512i a = _mm512_loadu_si512(vp[2 * jp] + h * D + c * 32);
-          const __m512i b = _mm512_loadu_si512(vp[2 * jp + 1] + h * D + c * 32);
-          vv[jp * NF + 2 * c] = _mm512_unpacklo_epi16(a, b);
-          vv[jp * NF + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-        }
+      interleave_v_pairs<D>(vp, h, npairs, vv);
       for (int64_t hq = h * g; hq < (h + 1) * g; ++hq) {
         const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb.data() + hq * cpad + t0);
         float* ah = acc + hq * D;
@@ -504,11 +508,7 @@ void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10:
       }
     }
   }
-  for (int64_t hq = 0; hq < num_heads; ++hq)
-    for (int64_t i = 0; i < D; ++i) {  // accumulator lane i holds dim c*32 + 8k + 4*half + m (see the unpack)
-      const int64_t x = i / 16, lane = i % 16, k = lane / 4, m = lane % 4;
-      out[hq * D + (x / 2) * 32 + 8 * k + 4 * (x % 2) + m] = B(acc[hq * D + i] * inv[hq]);
-    }
+  for (int64_t hq = 0; hq < num_heads; ++hq) store_head<D>(acc + hq * D, inv[hq], out + hq * D);
 }
 
 template <int D>
@@ -520,13 +520,14 @@ void decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return context_lens[a] > context_lens[b]; });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_seqs), 1, [&](int64_t, int64_t) {
-    std::vector<float> sc, acc(num_heads * D);
+    std::vector<float> sc, acc(num_heads * D), inv(num_heads);
     std::vector<uint16_t> pb;
     __m512i vv[8 * D / 16];
     for (int64_t i = next++; i < num_seqs; i = next++) {
       const int64_t s = order[i];
       decode_seq<D>(q + s * num_heads * D, k_cache, v_cache, block_tables + s * max_blocks, context_lens[s],
-                    out + s * num_heads * D, num_heads, num_kv_heads, block_size, scale, sc, pb, acc.data(), vv);
+                    out + s * num_heads * D, num_heads, num_kv_heads, block_size, scale, sc, pb, acc.data(), inv.data(),
+                    vv);
     }
   });
 }
