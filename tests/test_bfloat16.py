@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from conftest import hf_greedy, real_prompts
+from conftest import hf_greedy, make_tiny_llama, real_prompts
 
 from workbench import LLM, SamplingParams
 from workbench.config import EngineConfig, auto_dtype, cpu_native_bfloat16
@@ -209,14 +209,87 @@ def test_prepacked_bfloat16_weights_compute_the_same_bits(tiny_model, monkeypatc
     proj = mp.layers[0].mlp.gate_up_proj
     assert proj.packed_weight is not None and proj.weight.is_meta  # the dense copy is not kept
     assert md.layers[0].mlp.gate_up_proj.packed_weight is None
-    assert mp.weight_bytes() == md.weight_bytes()
-    assert packed_llm.llm_engine.memory.num_blocks == dense_llm.llm_engine.memory.num_blocks
+    # the LM head is packed too; a tied one keeps the dense embedding for lookups, so its packed copy is counted
+    assert mp.packed_lm_head is not None and md.packed_lm_head is None
+    head = md.lm_head_weight
+    extra = head.numel() * head.element_size() if mp.tie_word_embeddings else 0
+    assert mp.weight_bytes() == md.weight_bytes() + extra
+    assert packed_llm.llm_engine.memory.weights_bytes == dense_llm.llm_engine.memory.weights_bytes + extra
     ps = [[3 + i, 7, 11 + 2 * i, 5] * (i + 1) for i in range(6)]
     sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
     a = [o.outputs[0] for o in packed_llm.generate(ps, sp)]
     b = [o.outputs[0] for o in dense_llm.generate(ps, sp)]
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.logprobs for x in a] == [x.logprobs for x in b]  # the same bits, not merely the same argmax
+
+
+def test_the_lm_head_switch_keeps_it_dense_and_misspellings_are_refused(tiny_model, monkeypatch):
+    from workbench.model.cpu_pack import can_prepack
+
+    if not can_prepack(torch.bfloat16, "cpu"):
+        pytest.skip("this CPU has no oneDNN bfloat16 path: nothing is prepacked")
+    args = dict(model=str(tiny_model), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=64)
+    monkeypatch.setenv("WORKBENCH_CPU_PACK_LM_HEAD", "0")
+    model = LLM(**args).llm_engine.executor.model
+    assert model.packed_lm_head is None
+    assert model.layers[0].mlp.gate_up_proj.packed_weight is not None  # the projections are packed still
+    monkeypatch.setenv("WORKBENCH_CPU_PACK_LM_HEAD", "off")  # any spelling of env_switch's
+    assert LLM(**args).llm_engine.executor.model.packed_lm_head is None
+    for typo in ("o", "2", "dense"):  # refused in float32 too, where nothing is packed
+        monkeypatch.setenv("WORKBENCH_CPU_PACK_LM_HEAD", typo)
+        for dtype in ("bfloat16", "float32"):
+            with pytest.raises(ValueError, match=f"WORKBENCH_CPU_PACK_LM_HEAD='{typo}' is not an on/off switch"):
+                LLM(**{**args, "dtype": dtype})
+
+
+def test_a_tied_lm_heads_packed_copy_is_counted_in_the_weights_and_the_budget(tmp_path, monkeypatch):
+    """A tied LM head is the embedding, which lookups read: the packed head is a copy, counted in ``weight_bytes``
+    and so taken from the KV budget; the tokens and logprobs stay those of the dense head."""
+    from workbench.model.cpu_pack import can_prepack
+
+    if not can_prepack(torch.bfloat16, "cpu"):
+        pytest.skip("this CPU has no oneDNN bfloat16 path: nothing is prepacked")
+    folder = make_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    args = dict(model=str(folder), dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.5)
+    packed = LLM(**args)
+    monkeypatch.setenv("WORKBENCH_CPU_PACK_LM_HEAD", "0")
+    dense = LLM(**args)
+    mp, md = packed.llm_engine.executor.model, dense.llm_engine.executor.model
+    assert mp.lm_head is None and mp.packed_lm_head is not None and not mp.embed_tokens.weight.is_meta
+    copy = md.embed_tokens.weight.numel() * md.embed_tokens.weight.element_size()
+    assert mp.weight_bytes() == md.weight_bytes() + copy
+    assert mp.packed_head_copy_bytes == copy and md.packed_head_copy_bytes == 0
+    assert packed.llm_engine.memory.weights_bytes == dense.llm_engine.memory.weights_bytes + copy
+    assert packed.llm_engine.memory.kv_pool_bytes <= dense.llm_engine.memory.kv_pool_bytes - copy + 1
+    ps = [[3 + i, 7, 11 + 2 * i, 5] * (i + 1) for i in range(4)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
+    a = [o.outputs[0] for o in packed.generate(ps, sp)]
+    b = [o.outputs[0] for o in dense.generate(ps, sp)]
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.logprobs for x in a] == [x.logprobs for x in b]
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [(None, "default"), ("", "default"), ("  ", "default"), ("1", True), ("on", True), ("TRUE", True), (" yes ", True),
+     ("0", False), ("off", False), ("False", False), ("no", False)],
+)  # fmt: skip
+def test_env_switch_spellings(monkeypatch, value, expected):
+    from workbench.cpu_dtype import env_switch
+
+    if value is None:
+        monkeypatch.delenv("WORKBENCH_TEST_SWITCH", raising=False)
+    else:
+        monkeypatch.setenv("WORKBENCH_TEST_SWITCH", value)
+    for default in (True, False):
+        assert env_switch("WORKBENCH_TEST_SWITCH", default) == (default if expected == "default" else expected)
+
+
+@pytest.mark.parametrize("name", ["WORKBENCH_CPU_BFLOAT16", "WORKBENCH_CPU_LAYER_OPS", "WORKBENCH_CPU_PACK_LM_HEAD"])
+def test_every_cpu_switch_refuses_a_typo_before_the_engine_is_built(tiny_model, monkeypatch, name):
+    monkeypatch.setenv(name, "of")
+    with pytest.raises(ValueError, match=f"{name}='of' is not an on/off switch"):
+        LLM(model=str(tiny_model), dtype="auto", max_model_len=128, num_gpu_blocks_override=64)
 
 
 def test_tensor_parallel_in_bfloat16_matches_one_rank(tiny_model):

@@ -99,6 +99,10 @@ def _chunks(seed, num_heads, num_kv_heads, block_size, qlens, ctxs, head_dim=64,
         (8, 2, 8, 64, [5, 20], [29, 20]),  # block_size 8: a 16-token group spans two blocks
         (4, 4, 32, 128, [17, 1], [50, 70]),  # head_dim 128, multi-head, block_size 32
         (8, 1, 4, 64, [3, 9], [9, 9]),  # multi-query, small blocks
+        # the kernel steps 32 positions (two tiles of 16): rows that end in the first or the second tile, a context
+        # one past a step, one position into the second tile, a decode at a step's end
+        (9, 3, 16, 64, [20, 33, 16, 1, 40], [48, 33, 65, 32, 97]),
+        (9, 3, 4, 128, [31, 47, 2], [63, 49, 17]),  # block_size 4, head_dim 128
     ],
 )
 def test_the_chunk_kernel_equals_the_prefill_reference(num_heads, num_kv_heads, block_size, head_dim, qlens, ctxs):
@@ -121,6 +125,7 @@ def test_the_chunk_benchmark_script_runs(capsys):
     out = capsys.readouterr().out
     assert "| 40 |" in out and "decode / chunk" in out
 
+
 @needs_bf16_dot
 def test_the_chunk_kernel_refuses_bad_layouts_before_it_reads():
     q, kc, vc, tables, start, ctx = _chunks(0, 9, 3, 16, [4, 1], [20, 30])
@@ -136,6 +141,13 @@ def test_the_chunk_kernel_refuses_bad_layouts_before_it_reads():
         cpu_attention.paged_attention(q[..., :32], kc[..., :32], vc[..., :32], tables, start, ctx, 0.125)
     with pytest.raises(ValueError, match=r"query_start must run from 0 to 5 .*; got \[0, 4, 6\]"):
         cpu_attention.paged_attention(q, kc, vc, tables, torch.tensor([0, 4, 6]), ctx, 0.125)
+    layer = torch.stack([kc, vc])  # the engine's [2, num_blocks, ...] layer cache: named, with the fix
+    with pytest.raises(ValueError, match=r"got \[2, 96, 16, 3, 64\] and .*pass cache\[0\] and cache\[1\]"):
+        cpu_attention.paged_attention(q, layer, layer, tables, start, ctx, 0.125)
+    with pytest.raises(ValueError, match=r"must both be \[num_blocks, .*got \[16, 3, 64\] and \[96, 16, 3, 64\]"):
+        cpu_attention.paged_attention(q, kc[0], vc, tables, start, ctx, 0.125)
+    with pytest.raises(ValueError, match=r"got \[96, 16, 3, 64\] and \[50, 16, 3, 64\]"):
+        cpu_attention.paged_decode_attention(q[:2, :, :], kc, vc[:50], tables, ctx, 0.125)
     bad = tables.clone()
     bad[1, 1] = 10_000  # a block id past the pool: refused, not read (it would crash the process)
     with pytest.raises(ValueError, match=r"sequence 1 reads block 10000 \(block_tables\[1, 1\]\), outside the pool of 96"):
@@ -175,7 +187,7 @@ def test_the_backend_sends_prefill_chunks_to_the_chunk_kernel_and_the_switch_tur
             fn = getattr(cpu_attention.load(), name)
             return (lambda *a: calls.append(name) or fn(*a)) if name == "paged_attention" else fn
 
-    for flag, chunk_calls in (("1", 1), ("0", 0)):
+    for flag, chunk_calls in (("1", 1), ("0", 0), ("off", 0), ("", 1)):
         monkeypatch.setenv("WORKBENCH_CPU_CHUNK_KERNEL", flag)
         backend = cpu_backend.CpuBackend()
         backend._ext = Spy()
@@ -183,8 +195,11 @@ def test_the_backend_sends_prefill_chunks_to_the_chunk_kernel_and_the_switch_tur
         meta.extras.clear()
         got = backend.paged_attention(q, k, v, kc, vc, meta, 0.125).float()
         assert len(calls) == chunk_calls
-        assert ("C++ chunk kernel" in backend.detail) == (flag == "1")
+        assert ("C++ chunk kernel" in backend.detail) == (chunk_calls == 1)
         assert (got - want).abs().max().item() <= 2e-2
+    monkeypatch.setenv("WORKBENCH_CPU_CHUNK_KERNEL", "of")  # a typo is refused, not taken for "on"
+    with pytest.raises(ValueError, match="WORKBENCH_CPU_CHUNK_KERNEL='of' is not an on/off switch"):
+        cpu_backend.CpuBackend()
 
 
 @needs_toolchain

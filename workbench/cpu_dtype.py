@@ -7,6 +7,25 @@ import os
 
 import torch
 
+#: the spellings of an on/off environment switch (any case, surrounding spaces ignored); unset or empty: the default
+SWITCH_ON = ("1", "true", "yes", "on")
+SWITCH_OFF = ("0", "false", "no", "off")
+
+
+def env_switch(name: str, default: bool | None) -> bool | None:
+    """The on/off environment switch ``name`` (``WORKBENCH_CPU_BFLOAT16``, ``WORKBENCH_CPU_PACK_LM_HEAD``,
+    ``WORKBENCH_CPU_CHUNK_KERNEL``, ``WORKBENCH_CPU_LAYER_OPS``): unset or empty gives ``default``, a spelling in
+    :data:`SWITCH_ON` / :data:`SWITCH_OFF` gives ``True`` / ``False``. Raises ``ValueError`` naming any other value
+    and the accepted ones, so that a typo is not taken for the default."""
+    raw = os.environ.get(name)
+    value = (raw or "").strip().lower()
+    if value == "":
+        return default
+    if value in SWITCH_ON or value in SWITCH_OFF:
+        return value in SWITCH_ON
+    raise ValueError(f"{name}={raw!r} is not an on/off switch: use one of {SWITCH_ON} (on) or {SWITCH_OFF} (off)")
+
+
 _DTYPES = {
     **dict.fromkeys(("float32", "fp32", "float"), torch.float32),
     **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
@@ -21,11 +40,11 @@ def cpu_native_bfloat16() -> str | None:
 
     Read from the ``flags`` line of ``/proc/cpuinfo`` (Linux; ``None`` elsewhere). The same test vLLM's CPU
     backend makes before it picks bfloat16 (``vllm/platforms/cpu.py``). The environment variable
-    ``WORKBENCH_CPU_BFLOAT16`` overrides the answer: ``0`` = none (the test suite sets it, so that its compared
-    outputs are float32 on every CPU), ``1`` = native."""
-    forced = os.environ.get("WORKBENCH_CPU_BFLOAT16")
-    if forced is not None and forced.strip() != "":
-        return None if forced.strip().lower() in ("0", "false", "no", "off") else "WORKBENCH_CPU_BFLOAT16=1"
+    ``WORKBENCH_CPU_BFLOAT16`` overrides the answer (:func:`env_switch`): ``0`` = none (the test suite sets it, so
+    that its compared outputs are float32 on every CPU), ``1`` = native; any other value raises ``ValueError``."""
+    forced = env_switch("WORKBENCH_CPU_BFLOAT16", default=None)  # None: not set, ask the CPU
+    if forced is not None:
+        return "WORKBENCH_CPU_BFLOAT16=1" if forced else None
     flags = _cpu_flags()
     return "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
 

@@ -16,6 +16,7 @@ import os
 import torch
 
 from workbench.attention import torch_ref
+from workbench.cpu_dtype import env_switch
 from workbench.kernels import cpu_attention
 
 
@@ -34,7 +35,7 @@ class CpuBackend:
                 "16-position kernel, or set 'rowwise' for the earlier one"
             )
         self._ext = cpu_attention.load()
-        self._chunks = bool(self._ext.bf16_dot_product) and os.environ.get("WORKBENCH_CPU_CHUNK_KERNEL", "1") != "0"
+        self._chunks = bool(self._ext.bf16_dot_product) and env_switch("WORKBENCH_CPU_CHUNK_KERNEL", default=True)
         self._rowwise = decode == "rowwise"
         self._decode_kernel = "paged_decode_attention" + ("_rowwise" if self._rowwise else "")
         #: which kernel takes which rows (the engine's start-up log line carries it)

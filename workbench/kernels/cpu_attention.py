@@ -124,10 +124,23 @@ def paged_decode_attention(
             pool (the kernel would read outside it).
         RuntimeError: the kernel cannot be built here (see :func:`load`), or a shape or dtype does not fit.
     """
+    check_caches(k_cache, v_cache)
     tables, lens = check_decode(k_cache.shape[0], k_cache.shape[1], block_tables, context_lens)
     ext = load()
     kernel = ext.paged_decode_attention_rowwise if rowwise else ext.paged_decode_attention
     return kernel(q.contiguous(), k_cache, v_cache, tables, lens, float(scale))
+
+
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Both caches must be one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``, of one shape; raises
+    ``ValueError`` naming the shapes found (the engine's per-layer ``[2, num_blocks, ...]`` tensor holds K at ``[0]``
+    and V at ``[1]``). Checked before the block tables, whose bounds come from these shapes."""
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        hint = " (the engine's [2, num_blocks, ...] layer cache: pass cache[0] and cache[1])" if k_cache.dim() == 5 else ""
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+            f"{list(k_cache.shape)} and {list(v_cache.shape)}{hint}"
+        )
 
 
 def check_decode(
@@ -233,6 +246,7 @@ def paged_attention(
             f"the chunk kernel takes q [num_tokens, num_heads, head_dim] with head_dim 64 or 128, got shape "
             f"{tuple(q.shape)}; use paged_prefill_attention_ref (workbench.kernels.reference) for other head dims"
         )
+    check_caches(k_cache, v_cache)
     tables, starts, lens = check_chunks(q.shape[0], k_cache.shape[0], k_cache.shape[1], block_tables, query_start,
                                         context_lens)  # fmt: skip
     return load().paged_attention(q.contiguous(), k_cache, v_cache, tables, starts, lens, float(scale))

@@ -11,10 +11,10 @@ where a product follows (``tests/test_cpu_attention.py``: over 99% of elements e
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
+
+from workbench.cpu_dtype import env_switch
 
 
 def _ext():
@@ -43,12 +43,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def enabled(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a model in ``dtype`` on ``device`` takes these ops: bfloat16 on a CPU, the extension built or
-    buildable here, and ``WORKBENCH_CPU_LAYER_OPS`` not ``0``."""
+    buildable here, and ``WORKBENCH_CPU_LAYER_OPS`` not off (:func:`workbench.cpu_dtype.env_switch`; any other
+    value raises ``ValueError``)."""
     from workbench.kernels import cpu_attention
 
+    on = env_switch("WORKBENCH_CPU_LAYER_OPS", default=True)  # asked in every dtype: a typo is refused anywhere
     if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
         return False
-    if os.environ.get("WORKBENCH_CPU_LAYER_OPS", "1") == "0" or cpu_attention.toolchain_missing():
+    if not on or cpu_attention.toolchain_missing():
         return False
     try:
         cpu_attention.load()

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workbench.cpu_dtype import env_switch
+
 #: token count the packed layout is tuned for (a full decode batch); any count works
 PACK_BATCH_HINT = 64
 
@@ -50,13 +52,32 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def prepack_linears(model: nn.Module) -> int:
+def pack_lm_head_enabled() -> bool:
+    """``WORKBENCH_CPU_PACK_LM_HEAD`` (:func:`workbench.cpu_dtype.env_switch`): unset or on packs the LM head,
+    ``0`` keeps it dense (the benchmarks' baseline). Raises ``ValueError`` naming any other value; the loader asks
+    in every dtype, so a typo is refused in float32 too, where nothing is packed."""
+    return env_switch("WORKBENCH_CPU_PACK_LM_HEAD", default=True)
+
+
+def prepack_linears(model: nn.Module, pack_head: bool = True) -> int:
     """Pack the weight of every module with a ``packed_weight`` slot (the model's QKV, O, gate/up and down
-    projections) and move its dense parameter to ``meta``; returns how many were packed."""
+    projections) and move its dense parameter to ``meta``; then the LM head, into the model's ``packed_lm_head``
+    (when ``pack_head``; the loader passes :func:`pack_lm_head_enabled`). An untied LM head's dense weight goes to ``meta`` too; a tied one is
+    the embedding's, which lookups read, so the packed one is a copy (the model's ``packed_head_copy_bytes``,
+    which ``weight_bytes`` counts). Returns how many weights were packed.
+
+    The LM head is the step's largest product (``[sampling rows, hidden] x [hidden, vocab]``); packed, it ran
+    1.24x sooner at 64 rows on the development machine (``benchmarks/offline_throughput.py``'s matmul part,
+    ``docs/benchmarks.md``, stop 31)."""
     n = 0
     for m in model.modules():
         if hasattr(m, "packed_weight") and m.packed_weight is None:
             m.packed_weight = pack_weight(m.weight)
             m.weight = nn.Parameter(m.weight.detach().to("meta"), requires_grad=False)
             n += 1
+    if pack_head and getattr(model, "packed_lm_head", False) is None:
+        model.packed_lm_head = pack_weight(model.lm_head_weight)
+        if model.lm_head is not None:
+            model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().to("meta"), requires_grad=False)
+        n += 1
     return n

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.attention import TORCH_BACKEND, AttentionMetadata
+from workbench.model.cpu_pack import packed_linear
 from workbench.model.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -172,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:  # under TP: this rank's vocabulary rows, as the embedding's
             self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
+        self.packed_lm_head: torch.Tensor | None = None  # bfloat16 on CPU: the LM head in oneDNN's layout (cpu_pack)
 
     @property
     def layer_glue(self) -> str:
@@ -206,9 +208,22 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, rope, cache, meta)
         x = self.norm(x[logits_indices])
-        logits = F.linear(x, self.lm_head_weight)  # [S, ceil(V/N)] per rank -> [S, V] on every rank
+        if self.packed_lm_head is not None:
+            logits = packed_linear(x, self.packed_lm_head, None)
+        else:
+            logits = F.linear(x, self.lm_head_weight)  # [S, ceil(V/N)] per rank -> [S, V] on every rank
         return self.tp.gather_vocab(logits, self.config.vocab_size).float()
 
+    @property
+    def packed_head_copy_bytes(self) -> int:
+        """Bytes of the packed copy of a tied LM head (``vocab x hidden`` values), 0 where there is none: an
+        untied head's dense weight moves to ``meta`` when packed, a tied one is the embedding, which stays dense
+        for its lookups (:func:`workbench.model.cpu_pack.prepack_linears`)."""
+        if self.packed_lm_head is None or self.lm_head is not None:
+            return 0
+        head = self.embed_tokens.weight
+        return head.numel() * head.element_size()
+
     def weight_bytes(self) -> int:
-        """Bytes of all parameters (a tied LM head counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of all parameters (a tied LM head counted once) plus :attr:`packed_head_copy_bytes`."""
+        return sum(p.numel() * p.element_size() for p in self.parameters()) + self.packed_head_copy_bytes

@@ -33,7 +33,7 @@ import torch
 
 from workbench.catalog import BUNDLED_MODEL, is_bundled_model
 from workbench.kernels import cpu_layer_ops
-from workbench.model.cpu_pack import can_prepack, prepack_linears
+from workbench.model.cpu_pack import can_prepack, pack_lm_head_enabled, prepack_linears
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.parallel import shard_hf_state_dict
 
@@ -280,6 +280,7 @@ def build_model(hf_config, state_dict: dict, max_model_len: int, dtype: torch.dt
     """The model (whole, or tensor-parallel group ``tp``'s shard of it) with RoPE tables for
     ``max_model_len`` positions and its weights, on ``device`` in ``dtype`` (RoPE tables stay
     float32, as in transformers). ``state_dict``: HF-named tensors (:func:`load_model`)."""
+    pack_head = pack_lm_head_enabled()  # refuses a misspelt WORKBENCH_CPU_PACK_LM_HEAD in every dtype, before loading
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_model_len, tp)
     model = model.to_empty(device="cpu")
@@ -290,7 +291,14 @@ def build_model(hf_config, state_dict: dict, max_model_len: int, dtype: torch.dt
     model = model.to(device=device, dtype=dtype).eval()
     model.rotary.float()
     if can_prepack(dtype, device):  # bfloat16 on CPU: weights in oneDNN's layout, reordered once (cpu_pack)
-        prepack_linears(model)
+        prepack_linears(model, pack_head)
+        if model.packed_lm_head is None:
+            log.info("LM head: dense F.linear (WORKBENCH_CPU_PACK_LM_HEAD=0)")
+        elif model.packed_head_copy_bytes:
+            mib = model.packed_head_copy_bytes / 2**20
+            log.info(
+                "LM head: packed for oneDNN, a copy of the tied embedding (+%.1f MiB, counted in the weights)", mib
+            )
     if cpu_layer_ops.enabled(dtype, device):  # bfloat16 on CPU: RMSNorm, RoPE, SiLU * up in C++
         cpu_layer_ops.use_cpu_layer_ops(model)
     log.info("layer glue: %s", model.layer_glue)
