@@ -189,13 +189,14 @@ void decode_bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k_cache, const
 // Sequence s has query rows query_start[s] .. query_start[s+1]-1, which are the last qlen of its context_lens[s]
 // tokens (their K/V already in the cache); row r attends causally to positions 0 .. ctx - qlen + r. This replaces
 // the reference's gather of the whole context and SDPA with an explicit mask (paged_prefill_attention_ref): K/V
-// rows are read where they lie, 16 positions at a time, with an online softmax (Dao et al., FlashAttention, 2022,
-// Algorithm 1; Milakov & Gimelshein, 2018) kept in float32 per (row, head).
+// rows are read where they lie, 32 positions at a time (two tiles of 16), with an online softmax (Dao et al.,
+// FlashAttention, 2022, Algorithm 1; Milakov & Gimelshein, 2018) kept in float32 per (row, head) and updated once per
+// 32 positions.
 //   - q·k: 16 positions' K rows transposed once per KV head (transpose16: kt[i] lane j = dims 2i, 2i+1 of
 //     position j), then vdpbf16ps of each query's broadcast pair of dims against kt[i] gives all 16 scores at once,
 //     8 rows side by side (no horizontal sums; the tile's rows and the group's heads share the transpose);
 //   - p·V: p rounded to bfloat16 (as SDPA's bfloat16 CPU kernel does) and vdpbf16ps on V's rows interleaved in
-//     pairs of positions, built once per 16 positions and KV head and shared by the group's heads and the tile's rows.
+//     pairs of positions, built once per 32 positions and KV head and shared by the group's heads and the tile's rows.
 // Work is split into (sequence, tile of up to kTileRows query rows) jobs, longest first, handed out dynamically:
 // one long prompt and many decodes share a step.
 constexpr int64_t kTileRows = 8;
@@ -324,12 +325,27 @@ struct ChunkJob {
   int64_t seq, row0, rows, cost;
 };
 
-// One job: rows row0 .. row0+rows-1 of sequence seq, every head. D = head_dim (a multiple of 32).
+// q·k of kTileRows rows (query head at pair offset off) against NH transposed 16-position tiles of K: sr[u * 8 + r].
+template <int D, int NH>
+inline void qk_tiles(const uint32_t* const* qw, int64_t off, const __m512i* kt /* NH x D/2 */, __m512* sr) {
+  for (int x = 0; x < NH * kTileRows; ++x) sr[x] = _mm512_setzero_ps();
+  for (int i = 0; i < D / 2; ++i)
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(qw[r][off + i]);
+      for (int u = 0; u < NH; ++u)
+        sr[u * kTileRows + r] = _mm512_dpbf16_ps(sr[u * kTileRows + r], qb, (__m512bh)kt[u * (D / 2) + i]);
+    }
+}
+
+// One job: rows row0 .. row0+rows-1 of sequence seq, every head. D = head_dim (a multiple of 32). The context goes
+// by in steps of 32 positions, two tiles of 16 (the second left out where no row sees it): one online-softmax update
+// per row per 32 positions, so its horizontal max and sum, exp of the correction and the accumulators' load, rescale
+// and store are paid once per 32 positions instead of once per 16.
 template <int D>
 void attend_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                  const int64_t* table, int64_t qbase, int64_t qlen, int64_t ctx, const ChunkJob& job,
                  c10::BFloat16* out, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale,
-                 float* state /* rows * num_heads * (D + 2) floats */, __m512i* vv /* 8 * D / 16 vectors */) {
+                 float* state /* rows * num_heads * (D + 2) floats */, __m512i* vv /* 16 * D / 16 vectors */) {
   using B = c10::BFloat16;
   constexpr int NQ = D / 32, NF = D / 16;
   const int64_t g = num_heads / num_kv_heads, row = num_kv_heads * D;
@@ -342,52 +358,67 @@ void attend_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
     st[D] = kMasked;
     st[D + 1] = 0.f;
   }
-  const B* kp[16];
-  const B* vp[16];
-  alignas(64) uint32_t pj[8];
+  const B* kp[32];
+  const B* vp[32];
+  alignas(64) uint32_t pj[16];
   const uint32_t* qw[kTileRows];  // each row's q as pairs of dims; rows past the job repeat its last (ignored)
   for (int64_t r = 0; r < kTileRows; ++r)
     qw[r] = reinterpret_cast<const uint32_t*>(q + (qbase + job.row0 + std::min(r, job.rows - 1)) * num_heads * D);
-  for (int64_t t0 = 0; t0 <= last_pos; t0 += 16) {
-    const int64_t nt = rows_of(table, t0, ctx, block_size, k_cache, row, kp);  // past the context: masked below
-    for (int j = 0; j < 16; ++j) vp[j] = v_cache + (kp[j] - k_cache);
-    // Ask now for the K/V rows of the 16 positions kAhead further on: blocks lie anywhere in the pool, so the
-    // hardware prefetcher cannot guess the next one, and a long context streams from memory.
+  for (int64_t t0 = 0; t0 <= last_pos; t0 += 32) {
+    const int nh = t0 + 16 <= last_pos ? 2 : 1;  // tiles of 16 that some row sees
+    int64_t nt[2] = {0, 0};
+    for (int u = 0; u < nh; ++u) {
+      nt[u] = rows_of(table, t0 + 16 * u, ctx, block_size, k_cache, row, kp + 16 * u);  // past the context: masked
+      for (int j = 0; j < 16; ++j) vp[16 * u + j] = v_cache + (kp[16 * u + j] - k_cache);
+    }
+    // Ask now for the K/V rows of the positions kAhead further on: blocks lie anywhere in the pool, so the hardware
+    // prefetcher cannot guess the next one, and a long context streams from memory.
     prefetch_rows<_MM_HINT_T0>(table, t0 + kAhead, last_pos + 1, block_size, k_cache, v_cache, row);
+    prefetch_rows<_MM_HINT_T0>(table, t0 + kAhead + 16, last_pos + 1, block_size, k_cache, v_cache, row);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      interleave_v_pairs<D>(vp, h, 8, vv);
+      interleave_v_pairs<D>(vp, h, 8 * nh, vv);
       // K transposed once per 16 positions and KV head: kt[i] lane j holds dims (2i, 2i+1) of position j, so one
       // vdpbf16ps with a query's broadcast pair of dims adds to all 16 positions' scores at once, for 8 rows.
-      __m512i kt[D / 2];
-      for (int c = 0; c < NQ; ++c) {
-        __m512i in[16];
-        for (int j = 0; j < 16; ++j) in[j] = _mm512_loadu_si512(kp[j] + h * D + c * 32);
-        transpose16(in, kt + c * 16);
-      }
+      __m512i kt[2 * (D / 2)];
+      for (int u = 0; u < nh; ++u)
+        for (int c = 0; c < NQ; ++c) {
+          __m512i in[16];
+          for (int j = 0; j < 16; ++j) in[j] = _mm512_loadu_si512(kp[16 * u + j] + h * D + c * 32);
+          transpose16(in, kt + u * (D / 2) + c * 16);
+        }
       for (int64_t hq = h * g; hq < (h + 1) * g; ++hq) {
-        __m512 sr[kTileRows];
-        for (int r = 0; r < kTileRows; ++r) sr[r] = _mm512_setzero_ps();
-        for (int i = 0; i < D / 2; ++i)
-          for (int r = 0; r < kTileRows; ++r)
-            sr[r] = _mm512_dpbf16_ps(sr[r], (__m512bh)_mm512_set1_epi32(qw[r][hq * D / 2 + i]), (__m512bh)kt[i]);
+        __m512 sr[2 * kTileRows];
+        if (nh == 2)
+          qk_tiles<D, 2>(qw, hq * D / 2, kt, sr);
+        else
+          qk_tiles<D, 1>(qw, hq * D / 2, kt, sr);
         for (int64_t r = 0; r < job.rows; ++r) {
           const int64_t pos = first_pos + r;
           if (t0 > pos) continue;  // this row sees none of these positions
-          const int64_t nvalid = std::min<int64_t>(nt, pos - t0 + 1);
-          const __mmask16 valid = static_cast<__mmask16>((1u << nvalid) - 1u);
-          __m512 s = _mm512_mul_ps(sr[r], _mm512_set1_ps(scale));
-          s = _mm512_mask_mov_ps(_mm512_set1_ps(kMasked), valid, s);
+          __m512 s[2], p[2];
+          __mmask16 valid[2];
+          int64_t seen = 0;  // positions of the 32 this row sees (the rest of a tile is masked)
+          for (int u = 0; u < 2; ++u) {
+            const int64_t tu = t0 + 16 * u;
+            const int64_t nv = u < nh && tu <= pos ? std::min<int64_t>(nt[u], pos - tu + 1) : 0;
+            seen = nv > 0 ? 16 * u + nv : seen;
+            valid[u] = static_cast<__mmask16>((1u << nv) - 1u);
+            s[u] = nv > 0 ? _mm512_mask_mul_ps(_mm512_set1_ps(kMasked), valid[u], sr[u * kTileRows + r],
+                                               _mm512_set1_ps(scale))
+                          : _mm512_set1_ps(kMasked);
+          }
           float* st = state + (r * num_heads + hq) * stride;
           const float m_old = st[D];
-          const float m_new = std::max(m_old, _mm512_reduce_max_ps(s));
+          const float m_new = std::max(m_old, _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1])));
           const float corr = std::exp(m_old - m_new);
-          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+          for (int u = 0; u < 2; ++u) p[u] = _mm512_maskz_mov_ps(valid[u], exp16(_mm512_sub_ps(s[u], _mm512_set1_ps(m_new))));
           st[D] = m_new;
-          st[D + 1] = st[D + 1] * corr + _mm512_reduce_add_ps(p);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pj), (__m256i)_mm512_cvtneps_pbh(p));  // p in bfloat16
+          st[D + 1] = st[D + 1] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p[0], p[1]));
+          for (int u = 0; u < 2; ++u)  // p in bfloat16
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pj + 8 * u), (__m256i)_mm512_cvtneps_pbh(p[u]));
           __m512 acc[NF];
           for (int c = 0; c < NF; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(st + c * 16), _mm512_set1_ps(corr));
-          for (int64_t jp = 0; jp < (nvalid + 1) / 2; ++jp) {
+          for (int64_t jp = 0; jp < (seen + 1) / 2; ++jp) {
             const __m512i pp = _mm512_set1_epi32(pj[jp]);  // (p[2jp], p[2jp+1])
             for (int c = 0; c < NF; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)pp, (__m512bh)vv[jp * NF + c]);
           }
@@ -423,7 +454,7 @@ void attend_chunks(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c
   const int64_t njobs = static_cast<int64_t>(jobs.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), njobs), 1, [&](int64_t, int64_t) {
     std::vector<float> state(kTileRows * num_heads * (D + 2));
-    __m512i vv[8 * D / 16];
+    __m512i vv[16 * D / 16];
     for (int64_t i = next++; i < njobs; i = next++) {
       const ChunkJob& job = jobs[i];
       const int64_t qbase = query_start[job.seq];
