@@ -126,6 +126,17 @@ def test_the_chunk_benchmark_script_runs(capsys):
     assert "| 40 |" in out and "decode / chunk" in out
 
 
+@needs_toolchain
+def test_the_decode_benchmark_times_layers_with_their_own_caches(capsys):
+    bench = _benchmark("cpu_attention")
+    args = ["--num-seqs", "4", "--context", "40", "--num-blocks", "64", "--calls", "2", "--dtype", "float32"]
+    bench.main([*args, "--layers", "3"])
+    out = capsys.readouterr().out
+    assert "per layer of 3, each with its own cache" in out and "largest difference" in out
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--layers", "0"])
+    assert "--layers must be at least 1, got 0" in capsys.readouterr().err
+
 @needs_bf16_dot
 def test_the_chunk_kernel_refuses_bad_layouts_before_it_reads():
     q, kc, vc, tables, start, ctx = _chunks(0, 9, 3, 16, [4, 1], [20, 30])
