@@ -327,18 +327,11 @@ def model_flops(hf_config, prompt_lens: list[int], max_tokens: int) -> dict:
     }
 
 
-def time_linear(m: int, n_in: int, n_out: int, dtype: torch.dtype, min_repeats: int = 5, min_time_s: float = 0.3):
-    """Median seconds of ``F.linear(x[m, n_in], W[n_out, n_in])`` after warm-up, and the repeat count. For
-    bfloat16 on a CPU the faster of ``F.linear`` and the same product with the weight prepacked in oneDNN's
-    layout (:mod:`workbench.model.cpu_pack`, what the engine runs), so that the limit is the best this machine
-    offers for the shape, not only what a plain call gets."""
-    dense, packed = time_linear_both(m, n_in, n_out, dtype, min_repeats, min_time_s)
-    return dense if packed is None else min(dense, packed)
-
-
 def time_linear_both(m: int, n_in: int, n_out: int, dtype: torch.dtype, min_repeats: int = 5, min_time_s: float = 0.3):
-    """``(median seconds, repeats)`` of ``F.linear`` and of the prepacked product (``None`` where nothing is packed:
-    float32, or a CPU without oneDNN's bfloat16 path), on the same ``x [m, n_in]`` and ``W [n_out, n_in]``."""
+    """``(median seconds, repeats)`` after warm-up of ``F.linear(x[m, n_in], W[n_out, n_in])`` and of the same product
+    with the weight prepacked in oneDNN's layout (:mod:`workbench.model.cpu_pack`, what the engine runs; ``None``
+    where nothing is packed: float32, or a CPU without oneDNN's bfloat16 path). :func:`matmul_rates` takes the faster
+    of the two as the limit, the best this machine offers for the shape, not only what a plain call gets."""
     from workbench.model.cpu_pack import can_prepack, pack_weight, packed_linear
 
     gen = torch.Generator().manual_seed(0)

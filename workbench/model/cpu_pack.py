@@ -61,10 +61,10 @@ def pack_lm_head_enabled() -> bool:
 
 def prepack_linears(model: nn.Module, pack_head: bool = True) -> int:
     """Pack the weight of every module with a ``packed_weight`` slot (the model's QKV, O, gate/up and down
-    projections) and move its dense parameter to ``meta``; then the LM head, into the model's ``packed_lm_head``
-    (when ``pack_head``; the loader passes :func:`pack_lm_head_enabled`). An untied LM head's dense weight goes to ``meta`` too; a tied one is
-    the embedding's, which lookups read, so the packed one is a copy (the model's ``packed_head_copy_bytes``,
-    which ``weight_bytes`` counts). Returns how many weights were packed.
+    projections) and move its dense parameter to ``meta``; then, when ``pack_head`` (the loader passes
+    :func:`pack_lm_head_enabled`), the LM head into the model's ``packed_lm_head``. An untied LM head's dense weight
+    goes to ``meta`` too; a tied one is the embedding's, which lookups read, so the packed one is a copy (the model's
+    ``packed_head_copy_bytes``, which ``weight_bytes`` counts). Returns how many weights were packed.
 
     The LM head is the step's largest product (``[sampling rows, hidden] x [hidden, vocab]``); packed, it ran
     1.24x sooner at 64 rows on the development machine (``benchmarks/offline_throughput.py``'s matmul part,
