@@ -33,7 +33,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 test: venv lint
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=25
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
