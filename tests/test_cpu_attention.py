@@ -74,6 +74,27 @@ def test_the_kernel_equals_its_reference(dtype, num_heads, num_kv_heads, block_s
         assert (got.float() - ref32).abs().max() <= (ref16 - ref32).abs().max() + 1e-2
 
 
+@needs_toolchain
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_sequence_is_attended_once_when_threads_claim_the_next_one_early(threads):
+    """decode_rows hands sequences out longest first and each thread claims its next one a sequence early, to
+    prefetch it while it computes the current one (only the first 384 KiB of K and V: 512 positions here). With
+    more sequences than threads, contexts past that cap, partial blocks and one-token contexts, every row must
+    still be its own sequence's attention."""
+    lens = [1, 700, 16, 513, 33, 1, 260, 90, 511, 17, 2, 1024, 48]
+    q, kc, vc, tables, ctx = _case(7, torch.bfloat16, 9, 3, 16, lens, 64, num_blocks=256)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_attention.paged_decode_attention(q, kc, vc, tables, ctx, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    ref32 = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, ctx, 0.125)
+    ref16 = paged_decode_attention_ref(q, kc, vc, tables, ctx, 0.125).float()
+    errors = (got.float() - ref32).abs().amax(dim=(1, 2))  # one figure per sequence: a swapped row would stand out
+    assert errors.max().item() <= (ref16 - ref32).abs().max().item() + 1e-2, errors
+
+
 # ---------------------------------------------------------------- query chunks of any length (prefill and decode)
 needs_bf16_dot = pytest.mark.skipif(
     MISSING is not None or not cpu_attention.chunk_kernel_available(),

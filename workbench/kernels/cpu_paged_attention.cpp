@@ -201,6 +201,9 @@ void decode_bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k_cache, const
 // one long prompt and many decodes share a step.
 constexpr int64_t kTileRows = 8;
 constexpr int64_t kAhead = 32;  // how far ahead to prefetch, in positions (16 and 48 were no better, within noise)
+// How much of the next sequence's K and V the decode kernel prefetches to L2 while it computes the current one:
+// 384 KiB, 512 positions of SmolLM2-135M (256 and 1,024 positions measured the same), a third of a 1 MiB L2.
+constexpr int64_t kNextBytes = 384 * 1024;
 constexpr float kMasked = -1e30f;  // finite: -ffast-math assumes no infinities
 
 // e^x for 16 lanes, x <= 0 (scores minus their max): Cephes' expf polynomial after a range reduction by ln 2.
@@ -468,29 +471,102 @@ void attend_chunks(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c
 // ---------------------------------------------------------------------------------------------------------------
 // Decode rows, head_dim D (64 or 128): one query per sequence, in the chunk kernel's instructions but two passes
 // instead of an online softmax, since one row's scores fit in a buffer (num_heads x ctx floats).
-//   1. q·k for 16 positions at a time per query head (vdpbf16ps + sum16), the scores stored; the K rows 32 positions
-//      on are prefetched to L1, their V rows to L2 (pass 2 reads them again, a sequence's V fits in L2);
+//   1. q·k for 16 positions at a time per query head (vdpbf16ps + sum16), the scores stored; unless the previous
+//      sequence's work prefetched them (NextSequencePrefetch), the K rows 32 positions on are prefetched to L1 and
+//      their V rows to L2 (pass 3 reads them again, a sequence's V fits in L2), a few lines per query head;
 //   2. softmax per head in float32 (exp16), p stored rounded to bfloat16 as pairs of positions;
 //   3. p·V with vdpbf16ps on V's rows interleaved in pairs, the accumulators shared over the context.
-// Sequences are handed out longest first, one at a time (contexts differ by thousands of tokens in one batch).
+// Sequences are handed out longest first, one at a time (contexts differ by thousands of tokens in one batch); each
+// thread claims its next one a sequence early so that it can prefetch it (see NextSequencePrefetch).
+// The cache lines of the K and V rows of positions t0 .. t0+15 below limit, K's and V's alternating (even index: K,
+// odd: V), so that a tile's prefetches can be spread over its work instead of issued in one burst. ``out`` holds at
+// least 2 x 16 x ceil(row * 2 / 64) pointers. Returns how many it wrote.
+inline int64_t lines_of(const int64_t* table, int64_t t0, int64_t limit, int64_t block_size,
+                        const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t row, const char** out) {
+  if (t0 >= limit) return 0;
+  const c10::BFloat16* rows[16];
+  const int64_t n = rows_of(table, t0, limit, block_size, k_cache, row, rows);
+  int64_t m = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const char* kn = reinterpret_cast<const char*>(rows[j]);
+    const char* vn = reinterpret_cast<const char*>(v_cache + (rows[j] - k_cache));
+    for (int64_t b = 0; b < row * 2; b += 64) {
+      out[m++] = kn + b;
+      out[m++] = vn + b;
+    }
+  }
+  return m;
+}
+
+inline int64_t lines_per_tile(int64_t row) { return 2 * 16 * ((row * 2 + 63) / 64); }
+
+// The next sequence's prefetch: a thread claims its next sequence before it starts the current one, and while it
+// computes the current one it prefetches the next one's K and V rows to L2, in position order, ``quota`` cache lines
+// at a time between pieces of work. Without it the kernel's memory traffic and its arithmetic took turns (out of
+// cache it read 9-10 GB/s, about half of what a plain read of the same blocks reaches); spread this way they overlap.
+// Only the first positions up to kNextBytes of K and V are fetched so, leaving room in L2 for the current sequence.
+struct NextSequencePrefetch {
+  const int64_t* table = nullptr;
+  int64_t limit = 0;  // positions to prefetch
+  int64_t t = 0;      // the next tile to list
+  int64_t n = 0, i = 0;  // lines listed, lines issued
+  std::vector<const char*> lines;
+
+  void start(const int64_t* next_table, int64_t positions) {
+    table = next_table;
+    limit = positions;
+    t = n = i = 0;
+  }
+  // Positions whose lines have all been issued.
+  int64_t done() const { return i == n ? std::min(t, limit) : t - 16; }
+  void issue(int64_t quota, int64_t block_size, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+             int64_t row) {
+    for (; quota > 0; --quota) {
+      if (i == n) {
+        if (t >= limit) return;
+        lines.resize(lines_per_tile(row));
+        n = lines_of(table, t, limit, block_size, k_cache, v_cache, row, lines.data());
+        t += 16;
+        i = 0;
+      }
+      _mm_prefetch(lines[i++], _MM_HINT_T1);
+    }
+  }
+};
+
 template <int D>
 void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                 const int64_t* table, int64_t ctx, c10::BFloat16* out, int64_t num_heads, int64_t num_kv_heads,
                 int64_t block_size, float scale, std::vector<float>& sc, std::vector<uint16_t>& pb, float* acc,
-                float* inv /* num_heads */, __m512i* vv) {
+                float* inv /* num_heads */, __m512i* vv, std::vector<const char*>& near,
+                NextSequencePrefetch& next_seq, int64_t prefetched) {
   using B = c10::BFloat16;
   constexpr int NQ = D / 32, NF = D / 16;
   const int64_t g = num_heads / num_kv_heads, row = num_kv_heads * D, cpad = (ctx + 15) / 16 * 16;
   sc.resize(num_heads * cpad);
   pb.resize(num_heads * cpad);
+  // the next sequence's lines, spread evenly over this one's 2 x tiles x num_heads pieces of work (passes 1 and 3)
+  const int64_t pieces = 2 * (cpad / 16) * num_heads;
+  const int64_t quota = (next_seq.limit / 16 + 1) * lines_per_tile(row) / pieces + 1;
+  near.resize(lines_per_tile(row));
   const B* kp[16];
   for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
     const int64_t nt = rows_of(table, t0, ctx, block_size, k_cache, row, kp);
-    // 16 or 48 positions ahead, V to L1 too, or V only in pass 2 were no better
-    prefetch_rows<_MM_HINT_T1>(table, t0 + kAhead, ctx, block_size, k_cache, v_cache, row);
+    // positions kAhead on that no one prefetched yet, K to L1 and V to L2, spread over the query heads (one burst of
+    // a tile's lines per tile stalled the loads; 48 or 64 ahead were no better)
+    const int64_t from = std::max(t0 + kAhead, prefetched);
+    const int64_t nnear = from < t0 + kAhead + 16 ? lines_of(table, from, ctx, block_size, k_cache, v_cache, row,
+                                                             near.data()) : 0;
+    const int64_t per_head = (nnear + num_heads - 1) / num_heads;
+    int64_t ip = 0;
     const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t hq = h * g; hq < (h + 1) * g; ++hq) {
+        for (const int64_t e = std::min(ip + per_head, nnear); ip < e; ip += 2) {
+          _mm_prefetch(near[ip], _MM_HINT_T0);
+          _mm_prefetch(near[ip + 1], _MM_HINT_T1);
+        }
+        next_seq.issue(quota, block_size, k_cache, v_cache, row);
         __m512i qv[NQ];
         for (int c = 0; c < NQ; ++c) qv[c] = _mm512_loadu_si512(q + hq * D + c * 32);
         __m512 dots[16];
@@ -527,6 +603,7 @@ void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10:
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       interleave_v_pairs<D>(vp, h, npairs, vv);
       for (int64_t hq = h * g; hq < (h + 1) * g; ++hq) {
+        next_seq.issue(quota, block_size, k_cache, v_cache, row);
         const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb.data() + hq * cpad + t0);
         float* ah = acc + hq * D;
         __m512 a[NF];
@@ -553,12 +630,22 @@ void decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_seqs), 1, [&](int64_t, int64_t) {
     std::vector<float> sc, acc(num_heads * D), inv(num_heads);
     std::vector<uint16_t> pb;
+    std::vector<const char*> near;
     __m512i vv[8 * D / 16];
-    for (int64_t i = next++; i < num_seqs; i = next++) {
-      const int64_t s = order[i];
+    NextSequencePrefetch next_seq;
+    const int64_t cap = std::max<int64_t>(16, kNextBytes / (num_kv_heads * D * 2 * 2));
+    int64_t prefetched = 0;  // positions of the current sequence that the previous one's work prefetched
+    for (int64_t i = next++; i < num_seqs;) {
+      const int64_t s = order[i], j = next++;  // claim the next sequence now, to prefetch it
+      if (j < num_seqs)
+        next_seq.start(block_tables + order[j] * max_blocks, std::min(context_lens[order[j]], cap));
+      else
+        next_seq.start(nullptr, 0);
       decode_seq<D>(q + s * num_heads * D, k_cache, v_cache, block_tables + s * max_blocks, context_lens[s],
                     out + s * num_heads * D, num_heads, num_kv_heads, block_size, scale, sc, pb, acc.data(), inv.data(),
-                    vv);
+                    vv, near, next_seq, prefetched);
+      prefetched = next_seq.done();
+      i = j;
     }
   });
 }
