@@ -283,21 +283,43 @@ inline int64_t rows_of(const int64_t* table, int64_t t0, int64_t limit, int64_t 
   return n;
 }
 
-// Prefetches the K rows (to L1) and V rows (to the level VHint names) of positions t0 .. t0+15 below limit.
-template <_mm_hint VHint>
+// Calls f(k_line, v_line) for every 64-byte cache line of the K and V rows of positions t0 .. t0+15 below limit, in
+// position order.
+template <typename F>
+inline void for_each_line(const int64_t* table, int64_t t0, int64_t limit, int64_t block_size,
+                          const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t row, F&& f) {
+  if (t0 >= limit) return;
+  const c10::BFloat16* rows[16];
+  const int64_t n = rows_of(table, t0, limit, block_size, k_cache, row, rows);
+  for (int64_t j = 0; j < n; ++j) {
+    const char* kn = reinterpret_cast<const char*>(rows[j]);
+    const char* vn = reinterpret_cast<const char*>(v_cache + (rows[j] - k_cache));
+    for (int64_t b = 0; b < row * 2; b += 64) f(kn + b, vn + b);
+  }
+}
+
+// Prefetches the K and V rows of positions t0 .. t0+15 below limit to L1.
 inline void prefetch_rows(const int64_t* table, int64_t t0, int64_t limit, int64_t block_size,
                           const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t row) {
-  if (t0 >= limit) return;
-  const c10::BFloat16* ahead[16];
-  const int64_t n = rows_of(table, t0, limit, block_size, k_cache, row, ahead);
-  for (int64_t j = 0; j < n; ++j) {
-    const char* kn = reinterpret_cast<const char*>(ahead[j]);
-    const char* vn = reinterpret_cast<const char*>(v_cache + (ahead[j] - k_cache));
-    for (int64_t b = 0; b < row * 2; b += 64) {
-      _mm_prefetch(kn + b, _MM_HINT_T0);
-      _mm_prefetch(vn + b, VHint);
-    }
-  }
+  for_each_line(table, t0, limit, block_size, k_cache, v_cache, row, [](const char* k, const char* v) {
+    _mm_prefetch(k, _MM_HINT_T0);
+    _mm_prefetch(v, _MM_HINT_T0);
+  });
+}
+
+// The same lines listed instead of prefetched, K's and V's alternating (even index: K, odd: V), so that a tile's
+// prefetches can be spread over its work instead of issued in one burst. ``out`` holds lines_per_tile(row)
+// pointers. Returns how many it wrote.
+inline int64_t lines_per_tile(int64_t row) { return 2 * 16 * ((row * 2 + 63) / 64); }
+
+inline int64_t lines_of(const int64_t* table, int64_t t0, int64_t limit, int64_t block_size,
+                        const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t row, const char** out) {
+  int64_t m = 0;
+  for_each_line(table, t0, limit, block_size, k_cache, v_cache, row, [&](const char* k, const char* v) {
+    out[m++] = k;
+    out[m++] = v;
+  });
+  return m;
 }
 
 // V's rows in pairs of positions, interleaved (v[2i][d], v[2i+1][d]) so that one vdpbf16ps adds two positions' p·v to
@@ -376,8 +398,8 @@ void attend_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
     }
     // Ask now for the K/V rows of the positions kAhead further on: blocks lie anywhere in the pool, so the hardware
     // prefetcher cannot guess the next one, and a long context streams from memory.
-    prefetch_rows<_MM_HINT_T0>(table, t0 + kAhead, last_pos + 1, block_size, k_cache, v_cache, row);
-    prefetch_rows<_MM_HINT_T0>(table, t0 + kAhead + 16, last_pos + 1, block_size, k_cache, v_cache, row);
+    prefetch_rows(table, t0 + kAhead, last_pos + 1, block_size, k_cache, v_cache, row);
+    prefetch_rows(table, t0 + kAhead + 16, last_pos + 1, block_size, k_cache, v_cache, row);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       interleave_v_pairs<D>(vp, h, 8 * nh, vv);
       // K transposed once per 16 positions and KV head: kt[i] lane j holds dims (2i, 2i+1) of position j, so one
@@ -469,37 +491,6 @@ void attend_chunks(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Decode rows, head_dim D (64 or 128): one query per sequence, in the chunk kernel's instructions but two passes
-// instead of an online softmax, since one row's scores fit in a buffer (num_heads x ctx floats).
-//   1. q·k for 16 positions at a time per query head (vdpbf16ps + sum16), the scores stored; unless the previous
-//      sequence's work prefetched them (NextSequencePrefetch), the K rows 32 positions on are prefetched to L1 and
-//      their V rows to L2 (pass 3 reads them again, a sequence's V fits in L2), a few lines per query head;
-//   2. softmax per head in float32 (exp16), p stored rounded to bfloat16 as pairs of positions;
-//   3. p·V with vdpbf16ps on V's rows interleaved in pairs, the accumulators shared over the context.
-// Sequences are handed out longest first, one at a time (contexts differ by thousands of tokens in one batch); each
-// thread claims its next one a sequence early so that it can prefetch it (see NextSequencePrefetch).
-// The cache lines of the K and V rows of positions t0 .. t0+15 below limit, K's and V's alternating (even index: K,
-// odd: V), so that a tile's prefetches can be spread over its work instead of issued in one burst. ``out`` holds at
-// least 2 x 16 x ceil(row * 2 / 64) pointers. Returns how many it wrote.
-inline int64_t lines_of(const int64_t* table, int64_t t0, int64_t limit, int64_t block_size,
-                        const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t row, const char** out) {
-  if (t0 >= limit) return 0;
-  const c10::BFloat16* rows[16];
-  const int64_t n = rows_of(table, t0, limit, block_size, k_cache, row, rows);
-  int64_t m = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const char* kn = reinterpret_cast<const char*>(rows[j]);
-    const char* vn = reinterpret_cast<const char*>(v_cache + (rows[j] - k_cache));
-    for (int64_t b = 0; b < row * 2; b += 64) {
-      out[m++] = kn + b;
-      out[m++] = vn + b;
-    }
-  }
-  return m;
-}
-
-inline int64_t lines_per_tile(int64_t row) { return 2 * 16 * ((row * 2 + 63) / 64); }
-
 // The next sequence's prefetch: a thread claims its next sequence before it starts the current one, and while it
 // computes the current one it prefetches the next one's K and V rows to L2, in position order, ``quota`` cache lines
 // at a time between pieces of work. Without it the kernel's memory traffic and its arithmetic took turns (out of
@@ -513,10 +504,11 @@ struct NextSequencePrefetch {
   int64_t n = 0, i = 0;  // lines listed, lines issued
   std::vector<const char*> lines;
 
-  void start(const int64_t* next_table, int64_t positions) {
+  void start(const int64_t* next_table, int64_t positions, int64_t row) {
     table = next_table;
     limit = positions;
     t = n = i = 0;
+    lines.resize(lines_per_tile(row));
   }
   // Positions whose lines have all been issued.
   int64_t done() const { return i == n ? std::min(t, limit) : t - 16; }
@@ -525,7 +517,6 @@ struct NextSequencePrefetch {
     for (; quota > 0; --quota) {
       if (i == n) {
         if (t >= limit) return;
-        lines.resize(lines_per_tile(row));
         n = lines_of(table, t, limit, block_size, k_cache, v_cache, row, lines.data());
         t += 16;
         i = 0;
@@ -535,6 +526,15 @@ struct NextSequencePrefetch {
   }
 };
 
+// Decode rows, head_dim D (64 or 128): one query per sequence, in the chunk kernel's instructions but two passes
+// instead of an online softmax, since one row's scores fit in a buffer (num_heads x ctx floats).
+//   1. q·k for 16 positions at a time per query head (vdpbf16ps + sum16), the scores stored; unless the previous
+//      sequence's work prefetched them (NextSequencePrefetch), the K rows 32 positions on are prefetched to L1 and
+//      their V rows to L2 (pass 3 reads them again, a sequence's V fits in L2), a few lines per query head;
+//   2. softmax per head in float32 (exp16), p stored rounded to bfloat16 as pairs of positions;
+//   3. p·V with vdpbf16ps on V's rows interleaved in pairs, the accumulators shared over the context.
+// Sequences are handed out longest first, one at a time (contexts differ by thousands of tokens in one batch); each
+// thread claims its next one a sequence early so that it can prefetch it (see NextSequencePrefetch).
 template <int D>
 void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                 const int64_t* table, int64_t ctx, c10::BFloat16* out, int64_t num_heads, int64_t num_kv_heads,
@@ -547,7 +547,7 @@ void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10:
   sc.resize(num_heads * cpad);
   pb.resize(num_heads * cpad);
   // the next sequence's lines, spread evenly over this one's 2 x tiles x num_heads pieces of work (passes 1 and 3)
-  const int64_t pieces = 2 * (cpad / 16) * num_heads;
+  const int64_t pieces = std::max<int64_t>(1, 2 * (cpad / 16) * num_heads);
   const int64_t quota = (next_seq.limit / 16 + 1) * lines_per_tile(row) / pieces + 1;
   near.resize(lines_per_tile(row));
   const B* kp[16];
@@ -634,14 +634,14 @@ void decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
     std::vector<const char*> near;
     __m512i vv[8 * D / 16];
     NextSequencePrefetch next_seq;
-    const int64_t cap = std::max<int64_t>(16, kNextBytes / (num_kv_heads * D * 2 * 2));
+    const int64_t row = num_kv_heads * D, cap = std::max<int64_t>(16, kNextBytes / (row * 2 * 2));
     int64_t prefetched = 0;  // positions of the current sequence that the previous one's work prefetched
     for (int64_t i = next++; i < num_seqs;) {
       const int64_t s = order[i], j = next++;  // claim the next sequence now, to prefetch it
       if (j < num_seqs)
-        next_seq.start(block_tables + order[j] * max_blocks, std::min(context_lens[order[j]], cap));
+        next_seq.start(block_tables + order[j] * max_blocks, std::min(context_lens[order[j]], cap), row);
       else
-        next_seq.start(nullptr, 0);
+        next_seq.start(nullptr, 0, row);
       decode_seq<D>(q + s * num_heads * D, k_cache, v_cache, block_tables + s * max_blocks, context_lens[s],
                     out + s * num_heads * D, num_heads, num_kv_heads, block_size, scale, sc, pb, acc.data(), inv.data(),
                     vv, near, next_seq, prefetched);
