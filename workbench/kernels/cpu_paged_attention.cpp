@@ -202,7 +202,7 @@ void decode_bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k_cache, const
 constexpr int64_t kTileRows = 8;
 constexpr int64_t kAhead = 32;  // how far ahead to prefetch, in positions (16 and 48 were no better, within noise)
 // How much of the next sequence's K and V the decode kernel prefetches to L2 while it computes the current one:
-// 384 KiB, 512 positions of SmolLM2-135M (256 and 1,024 positions measured the same), a third of a 1 MiB L2.
+// 384 KiB, 512 positions of SmolLM2-135M (256 and 1,024 positions measured the same), 37.5% of a 1 MiB L2.
 constexpr int64_t kNextBytes = 384 * 1024;
 constexpr float kMasked = -1e30f;  // finite: -ffast-math assumes no infinities
 
@@ -533,8 +533,9 @@ struct NextSequencePrefetch {
 //      their V rows to L2 (pass 3 reads them again, a sequence's V fits in L2), a few lines per query head;
 //   2. softmax per head in float32 (exp16), p stored rounded to bfloat16 as pairs of positions;
 //   3. p·V with vdpbf16ps on V's rows interleaved in pairs, the accumulators shared over the context.
-// Sequences are handed out longest first, one at a time (contexts differ by thousands of tokens in one batch); each
-// thread claims its next one a sequence early so that it can prefetch it (see NextSequencePrefetch).
+// Sequences are handed out longest first, one at a time (contexts differ by thousands of tokens in one batch); while
+// enough are left for the other threads, each thread claims its next one a sequence early so that it can prefetch it
+// (see NextSequencePrefetch).
 template <int D>
 void decode_seq(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                 const int64_t* table, int64_t ctx, c10::BFloat16* out, int64_t num_heads, int64_t num_kv_heads,
@@ -628,7 +629,8 @@ void decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
   for (int64_t s = 0; s < num_seqs; ++s) order[s] = s;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return context_lens[a] > context_lens[b]; });
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_seqs), 1, [&](int64_t, int64_t) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_seqs);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> sc, acc(num_heads * D), inv(num_heads);
     std::vector<uint16_t> pb;
     std::vector<const char*> near;
@@ -637,16 +639,18 @@ void decode_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10
     const int64_t row = num_kv_heads * D, cap = std::max<int64_t>(16, kNextBytes / (row * 2 * 2));
     int64_t prefetched = 0;  // positions of the current sequence that the previous one's work prefetched
     for (int64_t i = next++; i < num_seqs;) {
-      const int64_t s = order[i], j = next++;  // claim the next sequence now, to prefetch it
-      if (j < num_seqs)
-        next_seq.start(block_tables + order[j] * max_blocks, std::min(context_lens[order[j]], cap), row);
-      else
-        next_seq.start(nullptr, 0, row);
+      // claim the next sequence now, to prefetch it, only while every other thread still has one left to take: a
+      // sequence claimed early waits for this one, and an idle thread could have run it
+      const int64_t j = next.load() + threads <= num_seqs ? next++ : num_seqs;
+      const bool ahead = j < num_seqs;
+      next_seq.start(ahead ? block_tables + order[j] * max_blocks : nullptr,
+                     ahead ? std::min(context_lens[order[j]], cap) : 0, row);
+      const int64_t s = order[i];
       decode_seq<D>(q + s * num_heads * D, k_cache, v_cache, block_tables + s * max_blocks, context_lens[s],
                     out + s * num_heads * D, num_heads, num_kv_heads, block_size, scale, sc, pb, acc.data(), inv.data(),
                     vv, near, next_seq, prefetched);
       prefetched = next_seq.done();
-      i = j;
+      i = ahead ? j : next++;
     }
   });
 }
