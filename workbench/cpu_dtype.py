@@ -23,7 +23,10 @@ def env_switch(name: str, default: bool | None) -> bool | None:
         return default
     if value in SWITCH_ON or value in SWITCH_OFF:
         return value in SWITCH_ON
-    raise ValueError(f"{name}={raw!r} is not an on/off switch: use one of {SWITCH_ON} (on) or {SWITCH_OFF} (off)")
+    raise ValueError(
+        f"{name}={raw!r} is not an on/off switch: set it to {' / '.join(SWITCH_ON)} (on) or {' / '.join(SWITCH_OFF)}"
+        " (off), in any case, or unset it for the default"
+    )
 
 
 _DTYPES = {
