@@ -52,13 +52,13 @@ def make_case(args):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="(default bfloat16)")
     p.add_argument("--num-seqs", type=int, default=64, help="decode sequences in the batch (default 64)")
     p.add_argument("--context", type=int, default=256, help="longest context, tokens (default 256)")
-    p.add_argument("--num-heads", type=int, default=9, help="(default 9)")
-    p.add_argument("--num-kv-heads", type=int, default=3, help="(default 3)")
-    p.add_argument("--head-dim", type=int, default=64, help="(default 64)")
-    p.add_argument("--block-size", type=int, default=16, help="(default 16)")
+    p.add_argument("--num-heads", type=int, default=9, help="the bundled SmolLM2-135M's shape (default 9)")
+    p.add_argument("--num-kv-heads", type=int, default=3, help="the bundled SmolLM2-135M's shape (default 3)")
+    p.add_argument("--head-dim", type=int, default=64, help="the bundled SmolLM2-135M's shape (default 64)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block, the engine's default (default 16)")
     p.add_argument("--num-blocks", type=int, default=4096, help="blocks in the pool (default 4096)")
     p.add_argument("--calls", type=int, default=200, help="timed calls of each (default 200)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")

@@ -670,7 +670,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="vllm: max_model_len (default: 2048, or longest prompt + max_tokens if longer)",
     )
     p.add_argument("--vllm-timeout", type=float, default=3600, help="vllm: seconds the child may run (default 3600)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="engine max_num_seqs = hf-cb max_requests_per_batch")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="engine max_num_seqs = hf-cb max_requests_per_batch (default 64)"
+    )
     p.add_argument(
         "--max-batch-tokens",
         type=int,
@@ -686,7 +688,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--warmup-prompts", type=int, default=4, help="prompts in each system's warm-up run (default 4)")
     p.add_argument("--warmup-tokens", type=int, default=8, help="output tokens in the warm-up run (default 8)")
-    p.add_argument("--dataset", default=None, help="prompt file (default: ShareGPT 500 if present, else defaults)")
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help="prompt file (default: ../shared/data/sharegpt/ShareGPT_V3_filtered_500.json beside the checkout if present, else datasets/default_prompts.jsonl)",
+    )
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON output (default {DEFAULT_OUT.relative_to(REPO)})")
     args = p.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -743,7 +749,9 @@ def main(argv=None) -> int:
     eng = llm.llm_engine
     if eng.config.torch_dtype != run_dtype:
         raise SystemExit(f"the engine runs in {eng.config.torch_dtype}, not the resolved {run_dtype}")
-    print(f"# engine: attention backend {eng.executor.attn_backend.name}, layer glue {eng.model.layer_glue}", flush=True)
+    print(
+        f"# engine: attention backend {eng.executor.attn_backend.name}, layer glue {eng.model.layer_glue}", flush=True
+    )
     llm_ref = None
     if "engine-torch-attn" in args.systems:
         llm_ref = load_engine(args.max_num_seqs, args.max_batch_tokens, args.dtype, attention_backend="torch")

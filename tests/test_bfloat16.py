@@ -288,7 +288,8 @@ def test_env_switch_spellings(monkeypatch, value, expected):
 @pytest.mark.parametrize("name", ["WORKBENCH_CPU_BFLOAT16", "WORKBENCH_CPU_LAYER_OPS", "WORKBENCH_CPU_PACK_LM_HEAD"])
 def test_every_cpu_switch_refuses_a_typo_before_the_engine_is_built(tiny_model, monkeypatch, name):
     monkeypatch.setenv(name, "of")
-    with pytest.raises(ValueError, match=f"{name}='of' is not an on/off switch"):
+    default = "chosen from the CPU's features" if name == "WORKBENCH_CPU_BFLOAT16" else "on"
+    with pytest.raises(ValueError, match=f"{name}='of' is not an on/off switch.*unset it for the default \\({default}\\)"):
         LLM(model=str(tiny_model), dtype="auto", max_model_len=128, num_gpu_blocks_override=64)
 
 

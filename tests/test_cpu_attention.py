@@ -230,7 +230,7 @@ def test_the_backend_sends_prefill_chunks_to_the_chunk_kernel_and_the_switch_tur
         assert ("C++ chunk kernel" in backend.detail) == (chunk_calls == 1)
         assert (got - want).abs().max().item() <= 2e-2
     monkeypatch.setenv("WORKBENCH_CPU_CHUNK_KERNEL", "of")  # a typo is refused, not taken for "on"
-    with pytest.raises(ValueError, match="WORKBENCH_CPU_CHUNK_KERNEL='of' is not an on/off switch"):
+    with pytest.raises(ValueError, match="WORKBENCH_CPU_CHUNK_KERNEL='of' is not an on/off switch.*unset it for the default \\(on\\)"):
         cpu_backend.CpuBackend()
 
 

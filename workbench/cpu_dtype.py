@@ -25,8 +25,12 @@ def env_switch(name: str, default: bool | None) -> bool | None:
         return value in SWITCH_ON
     raise ValueError(
         f"{name}={raw!r} is not an on/off switch: set it to {' / '.join(SWITCH_ON)} (on) or {' / '.join(SWITCH_OFF)}"
-        " (off), in any case, or unset it for the default"
+        f" (off), in any case, or unset it for the default ({_DEFAULT_WORDS[default]})"
     )
+
+
+#: how a refusal names each switch's default: on, off, or the CPU's own answer (WORKBENCH_CPU_BFLOAT16)
+_DEFAULT_WORDS = {True: "on", False: "off", None: "chosen from the CPU's features"}
 
 
 _DTYPES = {
