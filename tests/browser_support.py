@@ -149,6 +149,27 @@ KERNEL_READY = """() => {
 }"""
 
 
+def save_notebook(page, timeout_s: float = 60) -> None:
+    """File > Save on the notebook on screen (through the app's command registry), and wait until its model is no
+    longer dirty: the file on disk then holds the outputs this run produced.
+
+    Raises:
+        RuntimeError: the app is not exposed, or the notebook is still unsaved after ``timeout_s``.
+    """
+    if not page.evaluate("() => !!window.jupyterapp"):
+        raise RuntimeError("JupyterLab was started without --LabApp.expose_app_in_browser: cannot save from a test")
+    page.evaluate("async () => { await window.jupyterapp.commands.execute('docmanager:save'); }")
+    try:
+        page.wait_for_function(
+            "() => { const w = window.jupyterapp.shell.currentWidget;"
+            " return !!(w && w.context && !w.context.model.dirty); }",
+            timeout=timeout_s * 1000,
+            polling=250,
+        )
+    except Exception as e:  # playwright's TimeoutError: say what did not happen
+        raise RuntimeError(f"the notebook was not saved within {timeout_s} s") from e
+
+
 def shutdown_kernels(base: str, token: str) -> int:
     """Shut down every kernel of the server through its REST API (no dialog); returns how many."""
     with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as r:

@@ -17,7 +17,7 @@ import pytest
 from workbench.server.alert_receiver import AlertReceiver
 from workbench.server.launcher import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 
 def call(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, dict]:

@@ -447,6 +447,7 @@ def test_workbench_run_and_compare_cli_take_the_new_allocators(tmp_path):
     assert all(x["requests_finished"] == 2 for x in rows)
 
 
+@pytest.mark.slow
 def test_a_run_where_no_request_finished_fails(tmp_path):
     """Every prompt refused (the bundled model's chat prompts are longer than max_model_len=16 allows): the table and
     the reasons print, the exit code is 1."""

@@ -509,6 +509,7 @@ def test_cli_bad_flag_is_a_clear_error():
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_end_to_end_against_workbench_serve():
     from workbench.server.launcher import ServerProcess
 

@@ -99,6 +99,7 @@ def test_child_env_binds_the_threads():
     assert vllm_cpu.child_env(2, "nobind")["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
+@pytest.mark.slow
 def test_run_vllm_reports_a_failed_child(tmp_path):
     # this interpreter has no vLLM: the child fails on its import, and run_vllm says so instead of raising
     try:

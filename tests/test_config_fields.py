@@ -211,11 +211,13 @@ def _modules_after(code: str) -> set[str]:
     return set(out.split())
 
 
+@pytest.mark.slow
 def test_kvcalc_is_the_calculator_only():
     mods = _modules_after("import workbench.kvcalc")
     assert not {m for m in mods if m.split(".")[0] in ("click", "rich")}
 
 
+@pytest.mark.slow
 def test_no_cycle_between_the_clis():
     mods = _modules_after("import workbench.sim.cli")
     assert "workbench.cli" not in mods and "workbench.cli_options" in mods

@@ -140,6 +140,7 @@ def test_the_chunk_kernel_equals_the_prefill_reference(num_heads, num_kv_heads, 
 
 
 @needs_bf16_dot
+@pytest.mark.slow
 def test_the_chunk_benchmark_script_runs(capsys):
     bench = _benchmark("cpu_chunk_attention")
     assert bench.main(["--lengths", "40", "--calls", "1", "--decode-seqs", "2"]) == 0
@@ -378,6 +379,7 @@ def test_an_unknown_backend_names_the_cpu_one():
 
 
 @needs_toolchain
+@pytest.mark.slow
 def test_the_engine_with_the_kernel_generates_what_the_reference_does(tiny_model, caplog):
     """Greedy tokens of decodes beside chunked prefills, kernel vs reference, in float32: the two differ only in the
     order of float32 sums (about 1e-7), so they agree token for token. In bfloat16 the tiny model's random weights put
@@ -398,6 +400,7 @@ def test_the_engine_with_the_kernel_generates_what_the_reference_does(tiny_model
 
 
 @needs_toolchain
+@pytest.mark.slow
 def test_auto_in_bfloat16_runs_the_kernel_in_the_engine_and_says_why(tiny_model, caplog):
     with caplog.at_level("INFO", logger="workbench"):
         eng = LLMEngine(EngineConfig(model=str(tiny_model), dtype="bfloat16", block_size=4, max_model_len=64))

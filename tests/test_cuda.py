@@ -16,7 +16,7 @@ from conftest import greedy_tokens, random_prompts
 
 from workbench import LLM, SamplingParams, kernels
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
 MIB = 1 << 20
 

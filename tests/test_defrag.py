@@ -407,6 +407,7 @@ def test_greedy_tokens_are_the_same_with_compaction(tiny_model, kv_allocator, ex
 
 
 @needs_triton
+@pytest.mark.slow
 def test_greedy_tokens_are_the_same_with_compaction_on_the_triton_interpreter(tiny_model):
     ref, _, _ = engine_run(tiny_model, "orca-max", attention_backend="torch")
     got, _, eng = engine_run(

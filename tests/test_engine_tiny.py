@@ -40,6 +40,7 @@ def test_batched_greedy_equals_transformers_one_at_a_time(tiny_llm, tiny_hf):
         {"num_gpu_blocks_override": 40, "block_size": 4},  # 160 slots for 8 x ~80 tokens: preemption
     ],
 )
+@pytest.mark.slow
 def test_greedy_is_the_same_under_every_scheduling(tiny_model, tiny_llm, args):
     ps = prompts(8, seed=1)
     sp = SamplingParams(max_tokens=20, ignore_eos=True)

@@ -271,6 +271,7 @@ def _run(code: str, env_update: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_triton_interpret_env_mode_runs_the_kernels():
     """With TRITON_INTERPRET=1 set before Triton's first import (Triton's own switch), every kernel is
     interpreted; the wrappers accept it and refuse compiled launches."""
@@ -291,6 +292,7 @@ print("ok")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_a_cuda_gpu():
     """The interpreter checks results, not compilation: compile every kernel to a cubin for sm_90 (H100/H200),
     without a GPU (Triton ships ptxas), in a process where Triton is in compiled mode."""

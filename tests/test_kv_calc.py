@@ -295,6 +295,7 @@ def bundled_arch():
     return load_arch("bundled")  # the GGUF metadata, read by transformers
 
 
+@pytest.mark.slow
 def test_bundled_gguf_matches_catalogue_entry(bundled_arch):
     cat = MODELS["smollm2-135m"]
     fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -176,6 +176,7 @@ def test_waste_breakdown_and_block_maps_of_the_plug_in(paged_and_plugin):
     assert paged_maps and {m["allocator"] for m in paged_maps} == {"paged"}
 
 
+@pytest.mark.slow
 def test_paged_only_features_are_refused_with_the_plug_in(tiny_model):
     for extra in ({"enable_prefix_caching": True}, {"preemption_mode": "swap", "swap_space": 0.001}):
         with pytest.raises(ValueError, match="needs kv_allocator='paged'"):
@@ -185,6 +186,7 @@ def test_paged_only_features_are_refused_with_the_plug_in(tiny_model):
         llm.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=3))
 
 
+@pytest.mark.slow
 def test_parallel_sampling_split_has_no_negative_category(tiny_model):
     """n > 1 shares prompt blocks (fork) without prefix caching: the split must still count a
     shared block's token states once, so no category goes negative."""

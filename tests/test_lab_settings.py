@@ -54,6 +54,8 @@ def test_install_script_and_makefile_put_them_where_jupyterlab_reads_them(tmp_pa
     assert any(x.startswith("binder/install-lab-settings ") and "sys.prefix" in x for x in post)
 
 
+@pytest.mark.slow
+@pytest.mark.server
 def test_jupyterlab_starts_with_the_news_prompt_off(tmp_path):
     """A real JupyterLab, given the installed settings folder and an empty user settings folder, serves
     fetchNews = "false" as the notification plugin's setting."""

@@ -89,6 +89,7 @@ def test_sim_buyback_grid_frees_blocks_and_not_more():
     assert rm.sim_buyback_table(rows).rows
 
 
+@pytest.mark.slow
 def test_measured_rank_memory_on_a_tiny_tp_engine(tiny_model):
     args = dict(model=str(tiny_model), max_model_len=128, max_num_seqs=4, device_memory=64 * MiB)
     try:

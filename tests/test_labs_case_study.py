@@ -36,6 +36,7 @@ def test_a_replay_is_deterministic_and_its_windows_add_up():
     assert a.engine_args == {"gpu_memory_utilization": 0.9, "max_num_seqs": 256}
 
 
+@pytest.mark.slow
 def test_the_budget_fits_in_what_startup_allocates(runs):
     rows = {r["part"].strip(): r["bytes"] for r in cs.budget_rows(runs["paged_12"])}
     parts = rows["weights (shard)"] + rows["activations"] + rows["NCCL buffers"] + rows["KV pool"]
@@ -76,6 +77,7 @@ def test_the_hypotheses_verdicts_follow_the_measurements(runs):
     assert len(table) == 6 and "output length drift" in str(table)
 
 
+@pytest.mark.slow
 def test_the_panel_replays_and_names_bad_values():
     pytest.importorskip("ipywidgets")
     pytest.importorskip("anywidget")

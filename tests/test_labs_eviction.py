@@ -55,6 +55,7 @@ def test_exercise_scenario_under_each_policy():
         ev.pool_after("lru", [("evict", "A")])
 
 
+@pytest.mark.slow
 def test_sim_replay_shows_lru_losing_the_hot_prompt_to_a_scan():
     traces = ev.sim_traces(num_prompts=120)
     rows = {(r["trace"], r["policy"]): r for r in ev.policy_rows(["lru", "lfu", FIXTURE], traces, sim=True)}
@@ -85,6 +86,7 @@ def _per_step(res):
     return [(s.prefix_cache_queries, s.prefix_cache_hits, s.evicted_block_ages_steps) for s in res.recorder.steps]
 
 
+@pytest.mark.slow
 def test_reset_prefix_cache_equals_a_fresh_engine(llm):
     from workbench.labs.runs import lab_run
 
@@ -107,6 +109,7 @@ def test_reset_prefix_cache_equals_a_fresh_engine(llm):
     assert isinstance(llm.llm_engine.kv.pool.policy, EmptyFirstLRU)
 
 
+@pytest.mark.slow
 def test_free_queue_rows_follow_the_policy(llm):
     small = ev.tenant_trace(num_prompts=4, scan_every=4)
     ev.real_run(llm, "lru", small)
@@ -147,6 +150,7 @@ def test_panel_runs_the_registered_policies():
         panel.run(policy="lru")
 
 
+@pytest.mark.slow
 def test_panel_on_the_real_engine_runs_the_bundled_model(llm):
     """With ``llm`` the panel's Run is a real run of the bundled model on this CPU (no pool control: the engine's)."""
     pytest.importorskip("ipywidgets")

@@ -42,6 +42,8 @@ def test_apply_slo_adds_goodput_per_second():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.server
 def test_real_server_sweep_and_stop():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     srv = lt.start_server(max_num_seqs=2)

@@ -91,6 +91,7 @@ def test_promtool_accepts_shipped_and_demo_rules(tmp_path):
 
 @pytest.mark.slow
 @needs_prometheus
+@pytest.mark.server
 def test_an_overload_fires_the_demo_alert_and_the_receiver_lowers_admission(tmp_path):
     demo = mon.demo_rules(tmp_path / "demo.yml", scale=1 / 150, min_window_s=3)
     stack = mon.MonitoringStack([demo], max_model_len=256, max_num_seqs=4, num_gpu_blocks_override=24)
@@ -98,11 +99,20 @@ def test_an_overload_fires_the_demo_alert_and_the_receiver_lowers_admission(tmp_
         stack.start()
         pids = stack.pids()
         assert all(_alive(p) for p in pids.values()), pids
+        capacity = mon.measure_capacity(stack)
+        assert capacity > 0
         live = mon.LivePlot(stack)
-        load = mon.Overload(stack, num_prompts=40, request_rate=4.0, random_output_len=16).start()
-        live.follow(load, interval=1.0, after_s=2.0, limit_s=180)
+        load = mon.Overload.above(stack, capacity).start()  # 3x the capacity measured now, 10 s of arrivals
+        assert load.request_rate == pytest.approx(3 * capacity) and load.num_prompts >= 8
+        live.follow(load, interval=1.0, after_s=2.0, limit_s=240)
         result = load.join(60)
-        assert result["completed"] == 40
+        assert result["completed"] == load.num_prompts
+        outcome = mon.alert_outcome(stack, load, timeout_s=30)
+        assert outcome.splitlines() == [
+            "the receiver acted 1 time(s); first: WaitingQueueGrowing -> lower_admission",
+            "max_num_seqs: configured 4, now 2",
+            "every request completed: True",
+        ], outcome
         taken = stack.receiver.actions_taken()
         assert [(a["alertname"], a["action"]) for a in taken] == [("WaitingQueueGrowing", "lower_admission")]
         assert taken[0]["result"] == {"max_num_seqs": 2, "previous": 4}
@@ -113,7 +123,8 @@ def test_an_overload_fires_the_demo_alert_and_the_receiver_lowers_admission(tmp_
         rows = mon.dashboard_rows(stack)
         assert rows and not [r for r in rows if r["error"]], rows
         buckets = mon.ttft_buckets(stack)
-        assert buckets[-1][0] == float("inf") and buckets[-1][1] == 40
+        # the capacity probe's requests and the overload's
+        assert buckets[-1][0] == float("inf") and buckets[-1][1] == 8 + load.num_prompts
         fig = mon.range_figure(stack, live.t0, live.t0 + live.samples[-1]["t"])
         assert {tr.name for tr in fig.data} >= {"waiting", "running", "TTFT p99", "WaitingQueueGrowing"}
         assert [r["alert"] for r in mon.actions_table(live) if r["action"] == "lower_admission"] == [

@@ -26,6 +26,7 @@ def _token_records(n: int, max_output: int = 4):
 
 
 # ---------------------------------------------------------------- chapter 9: real runs
+@pytest.mark.slow
 def test_tp_runs_on_a_tiny_model(tiny_model):
     """TP=1 vs TP=2 (the tiny Llama: 4 heads, 2 KV heads): same tokens, halved KV per token,
     every step's all-reduce bytes equal to (1 + 2L) x tokens x hidden x 4, one engine per size."""
@@ -60,6 +61,7 @@ def test_tp_runs_on_a_tiny_model(tiny_model):
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
 def test_tp_run_panel_reuses_engines_and_names_bad_sizes(tiny_model):
     pytest.importorskip("ipywidgets")
     pytest.importorskip("anywidget")
@@ -164,6 +166,7 @@ def test_exercise_10_1_context_is_the_engines_budget():
     assert labs.solution("10.1", **ex) == ex["budget"]["num_blocks"] - m.num_blocks
 
 
+@pytest.mark.slow
 def test_sim_buffer_grid_costs_throughput_only_where_the_pool_binds():
     configs = {k: ncb.BUFFER_CONFIGS[k] for k in ("default (4 MiB, 2 ch)", "64 MiB, 32 ch")}
     rows = ncb.sim_buffer_grid("llama-2-70b", ("A100-80GB",), sizes=(4, 8), configs=configs)

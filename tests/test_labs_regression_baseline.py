@@ -19,6 +19,7 @@ def rep(tmp_path_factory):
     return r
 
 
+@pytest.mark.slow
 def test_repeats_are_interleaved_and_each_is_a_run_folder(rep):
     assert rep.order == [("baseline", 0), ("no_prefix_caching", 0), ("baseline", 1), ("no_prefix_caching", 1)]
     assert [(s, i) for s, i, _ in rep.seen] == rep.order
@@ -30,6 +31,7 @@ def test_repeats_are_interleaved_and_each_is_a_run_folder(rep):
     assert all(r["summary"]["requests_finished"] == 4 for r in ({"summary": s} for s in rep.summaries("baseline")))
 
 
+@pytest.mark.slow
 def test_prefix_caching_off_is_caught_by_the_library_and_the_cli(rep, tmp_path):
     report = rb.compare_sides(rep, "baseline", "no_prefix_caching")
     verdicts = rb.gated_verdicts(report)

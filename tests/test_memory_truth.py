@@ -191,6 +191,7 @@ def test_contiguous_refuses_what_it_cannot_do(tiny_model, engines):
         engines["orca-oracle"].generate([[5, 6, 7]], SamplingParams(max_tokens=3))
 
 
+@pytest.mark.slow
 def test_greedy_tokens_do_not_depend_on_allocator_or_batching(tiny_model, engines):
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 250) for _ in range(rng.randint(3, 30))] for _ in range(8)]

@@ -109,6 +109,7 @@ def shared_prefix_prompts():
     return [system + [rng.randrange(2, 250) for _ in range(rng.randint(1, 20))] for _ in range(8)]
 
 
+@pytest.mark.slow
 def test_greedy_equal_with_and_without_prefix_caching(tiny_model, shared_prefix_prompts):
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
     args = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)

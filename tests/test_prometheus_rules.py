@@ -96,6 +96,7 @@ def test_the_dashboard_reads_exported_metrics_only():
 
 @needs_prometheus
 @pytest.mark.slow
+@pytest.mark.server
 def test_a_real_prometheus_scrapes_the_server_and_answers_queries(tmp_path):
     """The server on loopback and Prometheus scraping it every 0.5 s: after a scrape and a request, a ``vllm:`` and a
     ``workbench:`` series come back through /api/v1/query; the rules are loaded; both processes stop by PID."""

@@ -472,6 +472,8 @@ def test_write_report(tmp_path, steps, requests):
         assert text in doc
 
 
+@pytest.mark.slow
+@pytest.mark.browser
 def test_report_figures_are_not_cut_or_covered_in_a_browser(tmp_path, steps, requests):
     """Rendered in Chromium at a narrow and a wide page: no title, axis title or legend is cut by its
     figure's edge or covered by the legend, and no right-axis title is taller than its plot."""

@@ -201,6 +201,7 @@ BAD_PROMPTS = [
 
 
 @pytest.mark.parametrize("bad,exc,named", BAD_PROMPTS, ids=[repr(b[0]) for b in BAD_PROMPTS])
+@pytest.mark.slow
 def test_bad_prompts_are_refused_before_anything_is_queued(llm, bad, exc, named):
     eng = llm.llm_engine
     good = [5, 6, 7]
@@ -332,6 +333,7 @@ def test_sampled_token_outside_the_top_k_is_included_with_its_rank(llm, tiny_hf)
 
 
 @pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.slow
 def test_prompt_logprobs_match_a_teacher_forced_forward(tiny_model, tiny_hf, chunked):
     budget = 8 if chunked else 256  # 8: the 40-token prompt runs in 5 chunks
     llm = LLM(
@@ -385,6 +387,7 @@ def test_text_prompt_forms_decoded_tokens_and_min_tokens_past_eos():
     assert llm.llm_engine.eos_token_id not in longer.token_ids[: n + 4]
 
 
+@pytest.mark.slow
 def test_logprobs_and_penalties_under_tensor_parallelism_equal_one_device(tiny_model, llm):
     """Rank 0 samples from the gathered logits: the prompt rows travel with the sampling rows."""
     sp = SamplingParams(

@@ -37,6 +37,7 @@ def reference(msgs):
     ],
     ids=["chunked-64", "prefix-caching", "tiny-pool-recompute", "tiny-pool-swap"],
 )
+@pytest.mark.slow
 def test_bundled_greedy_identical_under_scheduling_variants(msgs, reference, args):
     ref, longest = reference
     args = dict(args)
@@ -74,6 +75,7 @@ def test_two_prompts_near_pool_capacity_with_two_slots_finish(tiny_model):
     assert len(llm.llm_engine.recorder.steps) < 200
 
 
+@pytest.mark.slow
 def test_prompt_20x_the_chunk_is_unchanged_by_chunking(tiny_model):
     prompt = [2 + (i * 7) % 240 for i in range(200)]
     sp = SamplingParams(max_tokens=16, ignore_eos=True)

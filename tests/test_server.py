@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from workbench import LLM, SamplingParams
 from workbench.server.launcher import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 ENGINE = dict(max_model_len=512, max_num_seqs=16)
 PROMPTS = ["The capital of France is", "A short poem about the sea:\n", "def fibonacci(n):"]

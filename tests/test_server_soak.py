@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from workbench.server.launcher import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 NUM_REQUESTS = 1000
 CONCURRENCY = 32

@@ -273,6 +273,7 @@ def tiny_real_run(tmp_path_factory):
     return res.run_dir
 
 
+@pytest.mark.slow
 def test_replay_of_a_real_run_schedules_the_same_steps(tiny_real_run):
     res = replay(tiny_real_run, cpu_profile(), Efficiency())
     real = [json.loads(x) for x in (tiny_real_run / "steps.jsonl").read_text().splitlines()]
@@ -394,6 +395,7 @@ def test_step_records_keep_only_the_steps_settling_can_still_correct():
         )
 
 
+@pytest.mark.slow
 def test_simulate_cli_takes_sizes_names_conflicting_channel_flags_and_refused_requests(tmp_path):
     base = ["simulate", "--model", "llama-2-70b", "--gpu", "A100-80GB", "-tp", "4", "--no-progress",
             "--output-dir", str(tmp_path)]  # fmt: skip

@@ -212,6 +212,7 @@ def test_shards_reassemble_the_checkpoint(tiny_hf, n):
 
 # ---------------------------------------------------------------- worker processes (gloo)
 @pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.slow
 def test_tp_greedy_equals_tp1_tiny(tiny_model, n, no_leftovers):
     """TP=2 splits the 2 KV heads; TP=4 replicates them (one per rank, shared by two ranks)."""
     ref = LLMEngine(EngineConfig(model=str(tiny_model), **TINY))
@@ -251,6 +252,7 @@ def test_tp_refused_before_any_worker_starts(tiny_model, no_leftovers):
         LLM(str(tiny_model), tensor_parallel_size=3, **TINY)
 
 
+@pytest.mark.slow
 def test_repeated_generate_and_engines_leave_nothing(tiny_model, no_leftovers):
     ref = LLM(str(tiny_model), **TINY).generate(PROMPTS, GREEDY)
     want = [o.outputs[0].token_ids for o in ref]
@@ -281,6 +283,7 @@ def test_one_rank_group_runs_the_worker_path(tiny_model, no_leftovers):
         assert st.allreduce_bytes > 0 and llm.llm_engine.memory.comm_buffer_bytes == 0  # no peer, no buffer
 
 
+@pytest.mark.slow
 def test_killed_worker_fails_the_engine_within_timeout(tiny_model, no_leftovers):
     timeout = 30.0
     eng = LLMEngine(EngineConfig(model=str(tiny_model), tensor_parallel_size=2, distributed_timeout_s=timeout, **TINY))
@@ -301,6 +304,7 @@ def test_killed_worker_fails_the_engine_within_timeout(tiny_model, no_leftovers)
     eng.shutdown()  # idempotent
 
 
+@pytest.mark.slow
 def test_hung_worker_fails_the_engine_after_the_timeout(tiny_model, no_leftovers):
     timeout = 4.0
     eng = LLMEngine(EngineConfig(model=str(tiny_model), tensor_parallel_size=2, distributed_timeout_s=timeout, **TINY))
@@ -317,6 +321,7 @@ def test_hung_worker_fails_the_engine_after_the_timeout(tiny_model, no_leftovers
     assert _gone(pids)
 
 
+@pytest.mark.slow
 def test_script_without_main_guard_fails_fast_and_says_why(tiny_model, tmp_path):
     """A script that builds a TP engine at module level: each spawned worker re-runs it and dies while
     bootstrapping. The engine must say so at once (not after ``distributed_timeout_s``) and name the fix."""
@@ -380,6 +385,7 @@ def test_cli_flags_reach_the_engine(tiny_model):
     )
 
 
+@pytest.mark.slow
 def test_torchrun_launch(tiny_model, tmp_path):
     """``torchrun --nproc-per-node 2 -m workbench.entrypoints.torchrun``: rank 0 builds the engine,
     rank 1 serves it; the tokens equal the one-process engine's."""
@@ -427,6 +433,7 @@ def test_bundled_tp3_equals_tp1_and_tp2_is_refused(no_leftovers):
 
 
 # ---------------------------------------------------------------- NCCL (GPU machines only)
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
 def test_nccl_single_rank_group_measures_its_buffers(tiny_model, no_leftovers):
     ref = [o.outputs[0].token_ids for o in LLM(str(tiny_model), device="cuda", **TINY).generate(PROMPTS, GREEDY)]
@@ -446,6 +453,7 @@ def test_nccl_tp2_equals_tp1(tiny_model, no_leftovers):
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
 
 
+@pytest.mark.slow
 def test_failed_engine_start_after_workers_reaps_them(tiny_model, no_leftovers):
     """A bad argument found after the workers started (here: a KV pool too small for one block)."""
     with pytest.raises(ValueError, match="kv_cache_memory_bytes=1,000 holds no KV block"):

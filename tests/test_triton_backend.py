@@ -51,6 +51,7 @@ def test_cli_has_the_option():
     assert "--attention-backend" in out and "triton-interpret" in out
 
 
+@pytest.mark.slow
 def test_package_runs_without_triton(tiny_model):
     """Triton blocked from import: the package imports, 'auto' is the PyTorch reference, the engine generates,
     asking for Triton names the fix, and the kernel modules say what to install."""
@@ -151,6 +152,7 @@ def test_triton_backend_equals_reference_on_a_mixed_step(bs, group):
 
 
 @needs_triton
+@pytest.mark.slow
 def test_engine_greedy_tokens_equal_reference_chunked_prefill_and_prefix_caching(tiny_model):
     """Prompts of 1 to 70 tokens, a 24-token budget (long prompts arrive in chunks over cached context),
     and a shared 20-token prefix served from the prefix cache."""
@@ -168,6 +170,7 @@ def test_engine_greedy_tokens_equal_reference_chunked_prefill_and_prefix_caching
 
 
 @needs_triton
+@pytest.mark.slow
 def test_engine_block_copies_by_triton_kernels(tiny_model, monkeypatch):
     """Parallel sampling (copy-on-write of the shared last prompt block) and swap preemption (gather /
     scatter) through the Triton kernels give the reference's tokens."""

@@ -277,7 +277,8 @@ class LLMEngine:
         t_model = self.clock()
         if not out.is_empty:
             finished += self.scheduler.update(out, result.sampled, t_model)
-            finished += self.output.stop_strings([self.requests[rid] for rid in result.sampled], self.scheduler)
+            if self.output.num_detokenizing:
+                finished += self.output.stop_strings([self.requests[rid] for rid in result.sampled], self.scheduler)
         t_end = self.clock()
         if not out.is_empty or finished or out.preempted:
             self._record_step(out, finished, t_start, t_end, t_sched - t_start + result.overhead_s, result)

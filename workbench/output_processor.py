@@ -75,6 +75,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, _SeqState] = {}
         self.num_streaming = 0  #: sequences whose outputs go out every step (DELTA / CUMULATIVE)
+        #: sequences decoded as they go (streamed, or with stop strings): with none, :meth:`stop_strings` has no work
+        self.num_detokenizing = 0
 
     def add(self, req: Request) -> None:
         """Start tracking a sequence (the engine calls this when it queues the request)."""
@@ -83,6 +85,7 @@ class OutputProcessor:
         self.num_streaming += streaming
         detok = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens) if streaming or sp.stop else None
         self.states[req.request_id] = _SeqState(detok)
+        self.num_detokenizing += detok is not None
 
     def stop_strings(self, stepped: list[Request], scheduler) -> list[Request]:
         """Decode the new tokens of ``stepped`` (sequences that sampled this step); finish (with
@@ -141,8 +144,9 @@ class OutputProcessor:
             if done:
                 out.metrics = dict(vars(request_record(group[0], t0)))  # (asdict's deep copy is slow)
                 for c in group:
-                    if self.states.pop(c.request_id, None) is not None:
+                    if (st := self.states.pop(c.request_id, None)) is not None:
                         self.num_streaming -= kind != RequestOutputKind.FINAL_ONLY
+                        self.num_detokenizing -= st.detok is not None
             outs.append(out)
         return outs
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 
 from workbench.plugins import is_plugin_name, load_plugin
 
@@ -75,7 +76,9 @@ class EvictionPolicy(ABC):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks = num_blocks
-        self.free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # An OrderedDict, not a dict: the free set is a queue taken from the front, and a plain dict's first key is
+        # found by scanning past every entry deleted since its last resize (quadratic over a long run).
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.is_cached = [False] * num_blocks
         self.hits = [0] * num_blocks
         self.cached_seq = [0] * num_blocks
@@ -184,7 +187,7 @@ class KeyedPolicy(EvictionPolicy):
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
-        self.empty: dict[int, None] = dict.fromkeys(range(num_blocks))  # free blocks holding no cached content
+        self.empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # free, no cached content
         self._heap: list[tuple] = []  # (key, freed_seq, block) of free cached blocks; stale entries skipped
 
     @abstractmethod

@@ -292,17 +292,59 @@ def _stop_all(server, receiver, prometheus) -> None:
 
 
 # ---------------------------------------------------------------- load and the live plot
+#: The overload's requests (``workbench bench serve``'s random dataset): prompt and output tokens, seeded.
+OVERLOAD_REQUESTS = dict(dataset_name="random", random_input_len=32, random_output_len=16, seed=0)
+
+
+def measure_capacity(stack: MonitoringStack, num_prompts: int | None = None, **bench_args: Any) -> float:
+    """Requests per second the stack's server completes, measured now: ``num_prompts`` of the overload's requests
+    (default twice the server's ``max_num_seqs``) sent at once, vLLM's ``request_throughput`` of that run.
+
+    The overload is sized from this figure (:meth:`Overload.above`), so that it overloads the server on a fast
+    machine and on a slow or busy one alike.
+
+    Raises:
+        RuntimeError: no request completed.
+    """
+    from workbench.bench.serve import run_bench_serve
+
+    n = num_prompts or 2 * int(stack.admin_state()["max_num_seqs"])
+    args = OVERLOAD_REQUESTS | dict(num_prompts=n, request_rate=float("inf"), disable_tqdm=True, print_result=False)
+    result = run_bench_serve(base_url=stack.server.base_url, **(args | bench_args))
+    if not result.get("completed"):
+        raise RuntimeError(f"the capacity probe completed no request of {n}: is the server up? ({stack.server.base_url})")
+    return float(result["request_throughput"])
+
+
 class Overload:
     """``workbench bench serve`` against the stack's server in a background thread (:meth:`start`), at a request
     rate above what the server completes, so that its waiting queue grows; :attr:`result` is vLLM's result dict
-    once :meth:`join` returns."""
+    once :meth:`join` returns. :meth:`above` sizes it from a measured capacity."""
 
     def __init__(self, stack: MonitoringStack, num_prompts: int = 40, request_rate: float = 6.0, **bench_args: Any):
         self.stack, self.result, self.error = stack, None, None
-        self.args = dict(num_prompts=num_prompts, request_rate=request_rate, dataset_name="random",
-                         random_input_len=32, random_output_len=16, seed=0, disable_tqdm=True,
-                         print_result=False) | bench_args  # fmt: skip
+        self.num_prompts, self.request_rate = num_prompts, request_rate
+        self.args = OVERLOAD_REQUESTS | dict(num_prompts=num_prompts, request_rate=request_rate, disable_tqdm=True,
+                                             print_result=False) | bench_args  # fmt: skip
         self.thread = threading.Thread(target=self._run, name="overload", daemon=True)
+
+    @classmethod
+    def above(
+        cls, stack: MonitoringStack, capacity: float, factor: float = 3.0, arrivals_s: float = 10.0, **bench_args: Any
+    ) -> Overload:
+        """An overload of ``factor`` times ``capacity`` (requests/s, :func:`measure_capacity`) for ``arrivals_s``
+        seconds of arrivals: the waiting queue grows by about ``(factor - 1) * capacity`` requests a second
+        while they last, whatever the machine's speed.
+
+        Raises:
+            ValueError: a capacity that is not a positive number, or ``factor <= 1`` (no overload).
+        """
+        if not capacity > 0:
+            raise ValueError(f"capacity={capacity!r} must be > 0 requests/s (measure it: mon.measure_capacity(stack))")
+        if not factor > 1:
+            raise ValueError(f"factor={factor!r} must be > 1: at or below the capacity the queue does not grow")
+        rate = factor * capacity
+        return cls(stack, num_prompts=max(8, round(rate * arrivals_s)), request_rate=rate, **bench_args)
 
     def _run(self) -> None:
         from workbench.bench.serve import run_bench_serve
@@ -326,6 +368,29 @@ class Overload:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def alert_outcome(
+    stack: MonitoringStack, load: Overload, alertname: str = "WaitingQueueGrowing", timeout_s: float = 30.0
+) -> str:
+    """What the overload made the alert loop do, in sentences: the receiver's first action on ``alertname`` (waited
+    for up to ``timeout_s`` more seconds), ``max_num_seqs`` as configured and now, and whether every request
+    completed. When the alert never acted, says so plainly, with the highest waiting queue Prometheus saw."""
+    first = stack.receiver.wait_for_action(alertname, timeout_s)
+    state = stack.admin_state()
+    result = load.result or {}
+    if first is None:
+        peak = stack.prometheus.query("max_over_time(sum(vllm:num_requests_waiting)[5m:1s])")
+        seen = f"{float(peak[0]['value'][1]):.0f}" if peak else "no sample of"
+        lines = [f"{alertname} did not act within the run and {timeout_s:.0f} s after it: the waiting queue peaked at "
+                 f"{seen} requests; the alert needs it growing for the demo's whole window and `for:`. "
+                 "Rerun the overload cell with a larger factor or longer arrivals."]  # fmt: skip
+    else:
+        taken = stack.receiver.actions_taken()
+        lines = [f"the receiver acted {len(taken)} time(s); first: {first['alertname']} -> {first['action']}"]
+    lines.append(f"max_num_seqs: configured {state['configured_max_num_seqs']}, now {state['max_num_seqs']}")
+    lines.append(f"every request completed: {result.get('completed') == load.num_prompts}")
+    return "\n".join(lines)
 
 
 def _mark(fig: go.Figure, x: float, text: str) -> None:

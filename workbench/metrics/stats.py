@@ -7,10 +7,23 @@ ITL = the gaps between consecutive output tokens; e2e = finish - arrival.
 
 from __future__ import annotations
 
+import functools
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 from workbench.request import Request
+
+
+def record_dict(record) -> dict:
+    """A record dataclass as a dict of its fields, in order, its lists copied: what ``dataclasses.asdict`` gives for
+    records whose values are scalars and lists of scalars, without its deep copy of every value (a long run writes
+    hundreds of thousands of records)."""
+    return {n: list(v) if isinstance(v := getattr(record, n), list) else v for n in _field_names(type(record))}
+
+
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
 
 
 @dataclass
@@ -82,7 +95,7 @@ class StepStats:
     copy_time_s: float = 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return record_dict(self)
 
 
 def step_stats(step: int, times: tuple, out, scheduler, kv, kv_bytes_per_token: int, usage, num_finished: int, result):
@@ -190,7 +203,7 @@ class RequestRecord:
     true_output_len: int | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return record_dict(self)
 
 
 def request_record(req: Request, t0: float) -> RequestRecord:

@@ -156,6 +156,18 @@ class AlertReceiver:
         with self._lock:
             return [e for e in self.events if e["action"]]
 
+    def wait_for_action(self, alertname: str, timeout_s: float, poll_s: float = 0.2) -> dict[str, Any] | None:
+        """The first event in which ``alertname`` ran an action, waiting up to ``timeout_s`` seconds for it;
+        ``None`` if none came by then (the alert did not fire, or fired with no action mapped)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for e in self.actions_taken():
+                if e["alertname"] == alertname:
+                    return e
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(poll_s)
+
     # ------------------------------------------------------------------ the server's admin API
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         req = urllib.request.Request(self.server_url + path, method=method)
