@@ -35,8 +35,9 @@ run: venv
 lint: venv
 	$(BIN)/ruff check .
 
+# PYTEST_ARGS: more pytest options, e.g. PYTEST_ARGS=--junitxml=/tmp/suite.xml for benchmarks/suite_time.py
 test: venv lint
-	$(BIN)/python -m pytest -q -rs --durations=25
+	$(BIN)/python -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
 
 FAST = not slow and not notebook and not browser and not server and not gpu
 test-fast: venv lint
