@@ -1,9 +1,10 @@
 """Simulator benchmarks (issue 6): replay speed, fidelity against real CPU runs, and the case-study replay.
 
-Part ``speed``: 2 hours of ShareGPT-like Poisson traffic at 12 requests/s (86,400 requests) for
-Llama-2-70B on 4 x A100-80GB (``gpu_memory_utilization`` 0.9, ``max_num_seqs`` 256), replayed with
-the real scheduler and KV manager; wall and CPU time of the replay (median of ``--repeats``), the
-steps simulated, and CPU microseconds per step and per scheduled sequence-step.
+Part ``speed``: the whole ``workbench simulate`` command of 2 hours of ShareGPT-like Poisson traffic at 12
+requests/s (86,400 requests) for Llama-2-70B on 4 x A100-80GB (``gpu_memory_utilization`` 0.9, ``max_num_seqs``
+256, no ITL lists), each run in a fresh process: its wall time and its replay's (median of ``--repeats``), and the
+steps simulated. ``--against REF`` alternates the tree of commit REF with this one and prints which package each run
+imported, so that a before/after comparison cannot time one tree twice.
 
 Part ``fidelity``: real runs of the bundled model on this CPU (``workbench run`` folders; ``--record``
 makes them), the cost model fitted on the ``--train`` ones and its error on the held-out ones:
@@ -15,6 +16,7 @@ arrived / finished per second, TTFT p50 / p99, queueing time, preempted requests
 waiting requests, KV utilization and fragmentation rate.
 
     python benchmarks/simulate.py speed --repeats 3
+    python benchmarks/simulate.py speed --against 3d30c99 --repeats 2     # before/after, alternated
     python benchmarks/simulate.py fidelity --record --out runs/bench-sim-fidelity.json
     python benchmarks/simulate.py case-study --rates 6,12 --duration 7200
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -58,47 +59,60 @@ def cli():
     """Simulator benchmarks (results as JSON; a table on stdout)."""
 
 
+#: The case-study replay as a user types it (``speed`` appends ``--output-dir``).
+SPEED_ARGS = ["simulate", "--model", "llama-2-70b", "--gpu", "A100-80GB", "--tensor-parallel-size", "4",
+              "--gpu-memory-utilization", "0.9", "--max-num-seqs", "256", "--no-itl", "--no-progress"]  # fmt: skip
+
+def _timed_command(tree: Path, rate: float, duration: float, seed: int, out: Path) -> dict:
+    """One whole ``workbench simulate`` command of the case study, run by ``tree``'s package in a child process."""
+    from trees import run_workbench
+
+    args = [*SPEED_ARGS, "--request-rate", str(rate), "--duration", str(duration), "--seed", str(seed)]
+    run = run_workbench(tree, [*args, "--output-dir", str(out)])
+    summary = json.loads(next(out.glob("*/summary.json")).read_text())
+    return {"tree": str(tree), "workbench": run["workbench"], "seed": seed, "whole_s": run["wall_s"],
+            "cpu_s": run["cpu_s"], "replay_s": summary["replay_wall_s"], "steps": summary["num_steps"]}  # fmt: skip
+
+
 @cli.command()
-@click.option("--rate", default=12.0, show_default=True)
+@click.option("--rate", default=12.0, show_default=True, help="requests per second")
 @click.option("--duration", default=7200.0, show_default=True, help="seconds of arrivals")
-@click.option("--repeats", default=3, show_default=True)
-@click.option("--first-seed", default=0, show_default=True, help="trace seeds first-seed .. first-seed + repeats - 1")
+@click.option("--repeats", default=3, show_default=True, help="runs per tree (trace seeds first-seed, first-seed+1, ...)")
+@click.option("--first-seed", default=0, show_default=True)
+@click.option("--against", "ref", default=None, help="a git commit to compare with: its tree and this one alternate")
 @click.option("--out", default="runs/bench-sim-speed.json", show_default=True)
-def speed(rate, duration, repeats, first_seed, out):
-    """Wall and CPU time of replaying DURATION seconds at RATE req/s (70B, 4 x A100-80GB)."""
-    rows = []
-    for i in range(first_seed, first_seed + repeats):
-        m = _machine()
-        eng, trace, wall, cpu = _case(rate, duration, seed=i)
-        steps = eng.recorder.steps
-        seq_steps = sum(s.num_prefill_reqs + s.num_decode_reqs for s in steps)
-        rows.append(
-            {
-                "seed": i,
-                "requests": len(trace),
-                "steps": len(steps),
-                "simulated_s": eng.now,
-                "wall_s": wall,
-                "cpu_s": cpu,
-                "cpu_us_per_step": cpu / len(steps) * 1e6,
-                "cpu_us_per_seq_step": cpu / seq_steps * 1e6,
-                "mean_batch": seq_steps / len(steps),
-                "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "machine": m,
-            }
-        )
-        r = rows[-1]
-        print(
-            f"seed {i}: {r['requests']:,} requests, {r['steps']:,} steps, simulated {r['simulated_s']:,.0f} s; "
-            f"replay wall {wall:,.1f} s, CPU {cpu:,.1f} s ({r['cpu_us_per_step']:,.0f} us/step, "
-            f"{r['cpu_us_per_seq_step']:.2f} us per sequence-step, mean batch {r['mean_batch']:.0f}); "
-            f"load {m['load_1min']:.1f}",
-            flush=True,
-        )
-        med = {k: statistics.median(r[k] for r in rows) for k in ("wall_s", "cpu_s", "steps", "cpu_us_per_step")}
-        Path(out).parent.mkdir(parents=True, exist_ok=True)  # after every repeat: a stopped run keeps its results
-        Path(out).write_text(json.dumps({"rate": rate, "duration_s": duration, "runs": rows, "median": med}, indent=2))
-    print(f"median of {repeats}: wall {med['wall_s']:,.1f} s, CPU {med['cpu_s']:,.1f} s, {med['steps']:,.0f} steps")
+def speed(rate, duration, repeats, first_seed, ref, out):
+    """Time the whole `workbench simulate` command of the case study (70B, 4 x A100-80GB, util 0.9, max_num_seqs 256,
+    RATE req/s for DURATION s, no ITL lists), each run in a fresh process, and its replay (the summary's
+    replay_wall_s). With --against REF, REF's tree (git archive) and this one alternate, seed by seed, and every run
+    prints the workbench package it imported."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-sim-speed-") as tmp:
+        trees = {"this tree": REPO}
+        if ref:
+            from trees import export_tree
+
+            trees = {ref: export_tree(ref, Path(tmp) / "ref"), "this tree": REPO}
+        rows = []
+        for k, seed in enumerate(range(first_seed, first_seed + repeats)):
+            for label, tree in trees.items():
+                r = _timed_command(tree, rate, duration, seed, Path(tmp) / f"run-{k}-{len(rows)}")
+                r |= {"label": label, "load_1min": os.getloadavg()[0]}
+                rows.append(r)
+                print(f"{label:>12} seed {seed}: whole command {r['whole_s']:6.1f} s, replay {r['replay_s']:6.1f} s, "
+                      f"{r['steps']:,} steps; workbench.__file__ = {r['workbench']}", flush=True)  # fmt: skip
+        med = {
+            label: {k: statistics.median(r[k] for r in rows if r["label"] == label) for k in ("whole_s", "replay_s")}
+            for label in trees
+        }
+    for label, m in med.items():
+        print(f"median {label:>12}: whole command {m['whole_s']:.1f} s, replay {m['replay_s']:.1f} s")
+    if ref:
+        print(f"this tree / {ref}: whole command {med['this tree']['whole_s'] / med[ref]['whole_s']:.2f}x")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"rate": rate, "duration_s": duration, "against": ref, "machine": _machine(),
+                                     "runs": rows, "median": med}, indent=2))  # fmt: skip
 
 
 #: settings of the real runs ``fidelity --record`` makes (workbench run arguments)

@@ -6,7 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# OpenMP's spin count is read when torch loads it: take workbench's default (workbench/omp_wait.py) before this file
+# imports torch, as `import workbench` does in a user's program
+from workbench.omp_wait import set_spin_default
+
+set_spin_default()
+
+import torch  # noqa: E402
 
 # dtype="auto" picks bfloat16 on CPUs with native bfloat16 (workbench.config.auto_dtype) and float32 elsewhere. The
 # suite's compared outputs (tokens equal to transformers', stored run summaries, notebook outputs) must not depend
@@ -17,6 +24,12 @@ os.environ.setdefault("WORKBENCH_CPU_BFLOAT16", "0")
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 SHAREGPT_500 = SHARED_DATA / "sharegpt" / "ShareGPT_V3_filtered_500.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The chapter review first: the longest file, so that under ``make test``'s two workers it runs beside all the
+    others instead of after them."""
+    items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/test_chapter_review.py") else 1)
 
 
 def _runs_entries(folders: list[Path]) -> dict[str, dict[str, int] | None]:
@@ -104,6 +117,64 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     return out[0, len(prompt) :].tolist()
+
+
+#: transformers' greedy tokens for the reference comparisons, computed once and stored (tests/fixtures/), keyed by
+#: everything that decides them: see :class:`HFGreedyReferences`.
+HF_REFERENCES = REPO / "tests" / "fixtures" / "hf_greedy_tokens.json"
+
+
+class HFGreedyReferences:
+    """transformers' own greedy ``generate`` (:func:`hf_greedy`) for one model, with its results stored.
+
+    A reference is looked up by a key of the model folder's name (content-addressed: ``<stem>-<sha256 prefix>``), the
+    dtype, transformers' and torch's versions, the prompt's token ids and the number of tokens; a key that is not
+    stored is computed with transformers now (the model loads on first need), so the tokens compared are always
+    transformers' for exactly this case. ``WORKBENCH_UPDATE_HF_REFERENCES=1`` writes the computed ones to
+    :data:`HF_REFERENCES` (how the stored ones were made: run the tests that use them with it set).
+
+    Args:
+        model_folder: the HF folder transformers loads (the engine's ``model_folder``).
+        dtype: transformers' dtype.
+    """
+
+    def __init__(self, model_folder: Path, dtype: torch.dtype) -> None:
+        self.folder, self.dtype = Path(model_folder), dtype
+        self._hf = None
+        self.computed = 0  #: references not stored, computed by transformers in this session
+
+    @property
+    def hf(self):
+        """The transformers model, loaded on first use."""
+        if self._hf is None:
+            from transformers import AutoModelForCausalLM
+
+            self._hf = AutoModelForCausalLM.from_pretrained(str(self.folder), dtype=self.dtype).eval()
+        return self._hf
+
+    def key(self, prompt: list[int], n: int) -> str:
+        import hashlib
+        import json
+
+        import transformers
+
+        raw = json.dumps([self.folder.name, str(self.dtype), transformers.__version__, torch.__version__, prompt, n])
+        return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        """transformers' ``n`` greedy tokens after ``prompt`` (EOS ignored): stored, or computed now."""
+        import json
+
+        stored = json.loads(HF_REFERENCES.read_text()) if HF_REFERENCES.exists() else {}
+        key = self.key(prompt, n)
+        if key in stored:
+            return stored[key]
+        tokens = hf_greedy(self.hf, prompt, n)
+        self.computed += 1
+        if os.environ.get("WORKBENCH_UPDATE_HF_REFERENCES") == "1":
+            stored[key] = tokens
+            HF_REFERENCES.write_text(json.dumps(stored, indent=0, sort_keys=True) + "\n")
+        return tokens
 
 
 def random_prompts(n: int, seed: int, lo: int, hi: int, shared=()) -> list[list[int]]:

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from conftest import hf_greedy, make_tiny_llama, real_prompts
+from conftest import HFGreedyReferences, make_tiny_llama, real_prompts
 
 from workbench import LLM, SamplingParams
 from workbench.config import EngineConfig, auto_dtype, cpu_native_bfloat16
@@ -180,11 +180,13 @@ def test_bfloat16_greedy_batch_equals_transformers_bfloat16_up_to_near_ties(bf16
     expected = "torch" if toolchain_missing() else "cpu"
     assert bf16_llm.llm_engine.executor.attn_backend.name == expected
     hf = hf_models[torch.bfloat16]
+    references = HFGreedyReferences(bf16_llm.llm_engine.model_folder, torch.bfloat16)
+    references._hf = hf  # loaded already (the logits test uses it too)
     outs = bf16_llm.generate(chat_ids, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     same = 0
     for prompt, o in zip(chat_ids, outs):
         got = o.outputs[0].token_ids
-        ref = hf_greedy(hf, prompt, NEW_TOKENS)
+        ref = references.greedy(prompt, NEW_TOKENS)  # stored (tests/fixtures/hf_greedy_tokens.json), or computed
         if got == ref:
             same += 1
             continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, real_prompts
+from conftest import HFGreedyReferences, real_prompts
 
 from workbench import SamplingParams
 
@@ -17,11 +17,14 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def hf_model(bundled_llm):
-    from transformers import AutoModelForCausalLM
+def references(bundled_llm):
+    """transformers' greedy tokens on the safetensors cache converted from the GGUF (stored, or computed)."""
+    return HFGreedyReferences(bundled_llm.llm_engine.model_folder, torch.float32)
 
-    folder = bundled_llm.llm_engine.model_folder  # the safetensors cache converted from the GGUF
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+@pytest.fixture(scope="module")
+def hf_model(references):
+    return references.hf
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +49,16 @@ def test_bundled_model_is_located_without_importing_its_package():
 
 
 @pytest.mark.slow
-def test_greedy_batch_equals_transformers_one_prompt_at_a_time(bundled_llm, hf_model, chat_prompts):
+def test_greedy_batch_equals_transformers_one_prompt_at_a_time(bundled_llm, references, chat_prompts):
+    """transformers' tokens come from tests/fixtures/hf_greedy_tokens.json where it holds this exact case (model,
+    dtype, versions, prompt), else from transformers now; where the two differ, transformers itself is asked."""
     msgs, ids = chat_prompts
     outs = bundled_llm.generate(msgs, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.prompt_token_ids for o in outs] == ids  # the chat template was applied
     same = 0
     for prompt, o in zip(ids, outs):
         got = o.outputs[0].token_ids
-        ref = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        ref = references.greedy(prompt, NEW_TOKENS)
         assert len(got) == NEW_TOKENS
         if got == ref:
             same += 1
@@ -61,7 +66,7 @@ def test_greedy_batch_equals_transformers_one_prompt_at_a_time(bundled_llm, hf_m
         # where they differ, transformers' top two logits at that position must be a near tie
         k = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
         with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt + ref[:k]])).logits[0, -1]
+            logits = references.hf(torch.tensor([prompt + ref[:k]])).logits[0, -1]
         top2 = logits.topk(2).values
         assert (top2[0] - top2[1]).item() < 1e-3, f"prompt {prompt[:8]}...: diverged at {k} without a tie"
     assert same >= NUM_PROMPTS - 1, f"only {same} of {NUM_PROMPTS} prompts matched token for token"

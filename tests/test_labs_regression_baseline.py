@@ -42,6 +42,10 @@ def test_prefix_caching_off_is_caught_by_the_library_and_the_cli(rep, tmp_path):
     assert code == 1 and "REGRESSED: TTFT median (ttft_p50_s)" in out and (tmp_path / "r.html").exists()
     same = rb.cli_compare(rep.root / "baseline", rep.root / "baseline")
     assert same[0] == 0, same[1]
+    assert rb.rerun_verdict(rb.compare_sides(rep, "baseline", "baseline"), same[0]) == "passed: True | exit code: 0"
+    # a rerun the machine's noise pushed past the gate is named as noise, with the ratios that moved
+    said = rb.rerun_verdict(report, code)
+    assert said.startswith("passed: False | exit code: 1") and "ttft_p50_s" in said and "quieter machine" in said
     bad = rb.cli_compare(rep.root / "baseline", tmp_path / "r.html")
     assert bad[0] == 2
     cases = rb.verdict_cases(rep)

@@ -128,8 +128,15 @@ def test_sweep_panel_fills_heatmaps_and_survives_bad_input(tiny_model):
     assert "sixteen" in panel.error and "sixteen" in panel.status.value
     panel._clicked()  # the button's path: the error is shown, nothing raised
     assert "sixteen" in panel.status.value
+    shown = list(panel.plot_box.children)
     rows = panel.run(block_size=[32], num_gpu_blocks_override="8")
     assert panel.controls["block_size"].value == "32" and len(rows) == 1 and rows[0]["pool_blocks"] == 8
+    # a new grid refills the widgets on the page (new ones can reach the browser empty): one cell each now
+    assert list(panel.plot_box.children) == shown and list(panel.figures.values()) == shown
+    for m, fig in panel.figures.items():
+        assert len(fig.data[0].z) == 1 and len(fig.data[0].z[0]) == 1 and fig.data[0].z[0][0] is not None, m
+        assert list(fig.data[0].x) == ["32"] and len(fig.data[0].y) == 1, m
+    assert panel.figures["preemptions"].data[0].z[0][0] == float(rows[0]["preemptions"])
     # a grid refused before any point ran keeps the last sweep on show
     with pytest.raises(ValueError, match="grid point"):
         panel.run(num_gpu_blocks_override=[0])

@@ -27,6 +27,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     0: (
         "config",
         "cpu_dtype",
+        "omp_wait",
         "request",
         "sampling_params",
         "kv",

@@ -9,7 +9,7 @@ from conftest import real_prompts
 
 from workbench import LLM, SamplingParams
 
-SP = SamplingParams(max_tokens=64, ignore_eos=True)
+SP = SamplingParams(max_tokens=40, ignore_eos=True)  # decode steps enough to preempt and resume several requests
 BASE = dict(dtype="float32", max_num_seqs=8, max_model_len=512)
 
 
@@ -23,8 +23,8 @@ def msgs():
 def reference(msgs):
     llm = LLM(enable_chunked_prefill=False, max_num_batched_tokens=4096, **BASE)
     outs = llm.generate(msgs, SP)
-    longest = max(len(o.prompt_token_ids) for o in outs) + SP.max_tokens
-    return [o.outputs[0].token_ids for o in outs], longest
+    lengths = [len(o.prompt_token_ids) for o in outs]
+    return [o.outputs[0].token_ids for o in outs], max(lengths) + SP.max_tokens, min(lengths)
 
 
 @pytest.mark.parametrize(
@@ -39,11 +39,12 @@ def reference(msgs):
 )
 @pytest.mark.slow
 def test_bundled_greedy_identical_under_scheduling_variants(msgs, reference, args):
-    ref, longest = reference
+    ref, longest, shortest_prompt = reference
     args = dict(args)
     if args.pop("tiny_pool", False):
-        # a pool that holds just the longest sequence: 8 requests compete for room for one
-        blocks = -(-longest // 16)
+        # room for the longest sequence and one more short prompt: two requests run at once and
+        # outgrow the pool within a few decode steps, so requests are preempted and resumed
+        blocks = -(-longest // 16) + -(-shortest_prompt // 16)
         args |= {"num_gpu_blocks_override": blocks, "max_model_len": blocks * 16}
     llm = LLM(**(BASE | args))
     outs = llm.generate(msgs, SP)

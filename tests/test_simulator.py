@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -415,3 +416,30 @@ def test_simulate_cli_takes_sizes_names_conflicting_channel_flags_and_refused_re
     refused = [q for q in reqs if q["error"]]
     assert refused and len(refused) < len(reqs)
     assert f"{len(refused):,} request(s) refused" in r.output and "max_model_len" in r.output
+
+
+@pytest.mark.slow
+def test_speed_against_a_commit_alternates_the_two_trees_and_names_what_each_imported(tmp_path):
+    """``benchmarks/simulate.py speed --against REF``: REF's tree (git archive) and this one alternate, each run in
+    a fresh process, and each run's line names the package it imported: a comparison that timed one tree twice
+    would show it."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: nothing to compare against")
+    out = tmp_path / "speed.json"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "simulate.py"), "speed", "--against", "HEAD", "--repeats", "1",
+         "--duration", "20", "--rate", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["label"] for r in runs] == ["HEAD", "this tree"]
+    assert Path(runs[1]["workbench"]).parents[1] == repo and Path(runs[0]["workbench"]).parents[1] != repo
+    assert runs[0]["steps"] == runs[1]["steps"] > 0  # the same decisions
+    for r in runs:
+        assert f"workbench.__file__ = {r['workbench']}" in proc.stdout
+    assert "this tree / HEAD: whole command" in proc.stdout

@@ -221,3 +221,26 @@ def verdict_cases(rep: Repeats, baseline: str = "baseline", new: str = "no_prefi
 def gated_verdicts(report) -> dict[str, str]:
     """``{metric key: verdict}`` of the report's gated metrics."""
     return {r["key"]: r["verdict"] for r in report.rows if r["gated"]}
+
+
+def rerun_verdict(report, exit_code: int) -> str:
+    """What the noise-only comparison found, in words that hold on any machine.
+
+    A rerun of the baseline's configuration differs from it by the machine's noise alone, so it passes unless the
+    machine's speed moved by more than the gate while the repeats ran (another program busy beside the kernel, a
+    CPU changing its clock). When that happened this says so, with each regressed metric's ratio, instead of leaving
+    a failed gate unexplained.
+
+    Args:
+        report: :func:`compare_sides` of the baseline and the rerun.
+        exit_code: ``workbench bench compare``'s exit code on the same folders (:func:`cli_compare`).
+    """
+    line = f"passed: {report.passed} | exit code: {exit_code}"
+    if report.passed:
+        return line
+    moved = ", ".join(f"{r['key']} {r['ratio']:.2f}x" for r in report.regressions)
+    return (
+        f"{line}\nThe same configuration 'regressed' ({moved}): this machine's speed changed by more than the gate "
+        "allows while the repeats ran, so the gate saw noise. Record the repeats again on a quieter machine, or with "
+        "more of them (record_repeats(..., repeats=5)): the median then sees through more of it."
+    )

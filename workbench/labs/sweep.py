@@ -676,6 +676,18 @@ class SweepPanel(RunButtonThread):
         return self.widget._repr_mimebundle_(**kwargs)
 
     def _build_figures(self) -> None:
+        """Empty heatmaps of ``self.grid``. Once shown, the same ``FigureWidget`` objects are refilled in place (a
+        new grid's axes, cells and height): a widget made while a run starts can reach the browser with no data, so
+        the views on the page are kept and only their contents change."""
+        if getattr(self, "figures", None) and list(self.figures) == list(self.metrics):
+            for m, fig in self.figures.items():
+                new = heatmap_figure(self.grid, [], m)
+                trace = new.data[0].to_plotly_json()
+                trace.pop("type", None)
+                with fig.batch_update():
+                    fig.data[0].update(trace, overwrite=True)
+                    fig.layout.update(new.layout.to_plotly_json() | {"width": PANEL_FIGURE_WIDTH}, overwrite=True)
+            return
         self.figures = {m: heatmap_figure(self.grid, [], m, widget=True) for m in self.metrics}
         self.plot_box.children = list(self.figures.values())
 

@@ -173,10 +173,13 @@ def block_map(kv: KVManager, num_computed: Mapping[str, int], waiting_need_block
 class PoolAccounting:
     """The engine's running account of the KV pool: the split after every step, settled.
 
-    Per request holding blocks it keeps ``(request, bound, [(step cell, slots held, slots
-    written)])`` for the steps whose split a release may still correct; when the request
-    releases its blocks (finish, abort, preemption, swap-out), :meth:`settle_released` moves the
-    slots it held but never wrote from reservation to internal fragmentation in those steps.
+    Per request holding blocks it keeps ``[request, bound, groups, slots written at the last step]``, ``groups`` being
+    ``[slots held, [step cell, ...]]`` runs of consecutive steps in which the request held the same number of slots,
+    for the steps whose split a release may still correct; when the request releases its blocks (finish, abort,
+    preemption, swap-out), :meth:`settle_released` moves the slots it held but never wrote from reservation to
+    internal fragmentation in those steps. (What a release corrects in a step depends on the slots held then and the
+    final length only, so the steps of one run share one correction: grouping them keeps a decode's per-step work to
+    appending a cell.)
 
     Args:
         kv: the engine's KV manager.
@@ -184,8 +187,8 @@ class PoolAccounting:
 
     def __init__(self, kv: KVManager) -> None:
         self.kv = kv
-        #: request id -> (request, most slots it can write, [([StepStats], slots held, slots written)])
-        self.holding: dict[str, tuple[object, int, list]] = {}
+        #: request id -> [request, most slots it can write, [[slots held, [[StepStats], ...]], ...], slots written]
+        self.holding: dict[str, list] = {}
         self._num_seen = 0
         #: the split at the last :meth:`observe` (the step-time figures; ``None`` before the first step)
         self.last_usage: KVUsage | None = None
@@ -216,25 +219,30 @@ class PoolAccounting:
                 if r is None:
                     continue
                 # most KV slots it can write: prompt + output cap, less the last sampled token (never written)
-                entry = holding[rid] = (r, r.num_prompt_tokens + r.max_output_tokens - 1, [])
+                entry = holding[rid] = [r, r.num_prompt_tokens + r.max_output_tokens - 1, [], 0]
             c = entry[0].num_computed_tokens
             if computed is not None:
                 computed[rid] = c
             held = len(table) * bs
             token_states += c
-            left = (held if held < entry[1] else entry[1]) - c
+            bound = entry[1]
+            left = (held if held < bound else bound) - c
             if left > 0:
                 unwritten += left
-            entries = entry[2]
+            groups = entry[2]
             # A step in which the request held no more slots than it has written since can never be
             # corrected by settling (its final length >= written >= held there): keep only the others,
             # so a long request keeps about one block's worth of steps, not every step.
-            if entries and entries[0][1] <= c:
+            if groups and groups[0][0] <= c:
                 k = 1
-                while k < len(entries) and entries[k][1] <= c:
+                while k < len(groups) and groups[k][0] <= c:
                     k += 1
-                del entries[:k]
-            entries.append((step_cell, held, c))
+                del groups[:k]
+            if groups and groups[-1][0] == held:
+                groups[-1][1].append(step_cell)
+            else:
+                groups.append([held, [step_cell]])
+            entry[3] = c
             num_seen += 1
         self._num_seen = num_seen
         if dedupe:
@@ -255,14 +263,17 @@ class PoolAccounting:
         """The request released its blocks: now that it is known how many slots it wrote, move the
         slots it held but never wrote from reservation to internal fragmentation in every step it
         held them (ARCHITECTURE §3)."""
-        req, bound, entries = self.holding.pop(request_id)
-        last_written = entries[-1][2] if entries else 0
+        req, bound, groups, last_written = self.holding.pop(request_id)
         # a recompute preemption resets num_computed_tokens: it then wrote what the last step saw
         final = req.num_computed_tokens if req.num_computed_tokens >= last_written else last_written
-        for (st,), held, written in entries:
-            provisional = max(0, min(held, bound) - written)
-            true = max(0, min(held, final) - written)
-            delta = min(provisional - true, st.reservation)
-            if delta > 0:
-                st.reservation -= delta
-                st.internal_fragmentation += delta
+        for held, cells in groups:
+            # In a step where it held `held` slots and had written w (w <= held, bound and final), the split counted
+            # min(held, bound) - w as reservation and should have counted min(held, final) - w: the difference
+            # moves to internal fragmentation, whatever w was.
+            move = (held if held < bound else bound) - (held if held < final else final)
+            if move > 0:
+                for (st,) in cells:
+                    delta = move if move < st.reservation else st.reservation
+                    if delta > 0:
+                        st.reservation -= delta
+                        st.internal_fragmentation += delta

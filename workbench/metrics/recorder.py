@@ -20,9 +20,11 @@ class JsonlSink:
 
     Args:
         folder: created if missing.
+        live_steps: write each step as it comes (``False``: ``steps.jsonl`` is written once, at :meth:`close`; a
+            simulated replay, which nobody follows live, saves writing its hundreds of thousands of steps twice).
     """
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, live_steps: bool = True) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._steps_path = self.folder / "steps.jsonl"
@@ -30,10 +32,12 @@ class JsonlSink:
         self._reqs = open(self.folder / "requests.jsonl", "w", encoding="utf-8")
         self._maps = None
         self._all: list[StepStats] = []
+        self.live_steps = live_steps
 
     def on_step(self, s: StepStats) -> None:
         self._all.append(s)
-        self._steps.write(json.dumps(s.to_dict()) + "\n")
+        if self.live_steps:
+            self._steps.write(json.dumps(s.to_dict()) + "\n")
 
     def on_request(self, r: RequestRecord) -> None:
         self._reqs.write(json.dumps(r.to_dict()) + "\n")

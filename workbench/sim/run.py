@@ -137,7 +137,7 @@ def simulate_job(
     eng = SimEngine(EngineConfig(**engine_args), spec, recorder=recorder)
     if output_dir is not None:  # only once the engine accepted its arguments: a refusal leaves no folder
         run_dir = Path(output_dir) / (run_name or ("sim-" + datetime.now().strftime("%Y%m%d-%H%M%S-%f")))
-        recorder.add_sink(JsonlSink(run_dir))
+        recorder.add_sink(JsonlSink(run_dir, live_steps=False))  # a replay is read when it has finished
     eng.record_itl = record_itl
     eng.add_trace(trace, max_tokens=max_tokens)
     end = trace[-1].arrival_s if trace else 0.0

@@ -1,0 +1,52 @@
+"""How long torch's OpenMP threads spin before they sleep: ``OMP_SPIN_COUNT``, set before torch loads.
+
+The CPU build of torch runs its intra-op work (matmuls through oneDNN and MKL, elementwise ops, the C++ kernels'
+``at::parallel_for``) on GNU OpenMP threads. Between two parallel regions, and at the barrier that ends one, a thread
+that has nothing to do spins for ``GOMP_SPINCOUNT`` iterations (300,000 by default, about a millisecond) before it
+sleeps, so that the next region starts without a wake-up. On an idle machine that is the right trade. On a shared
+one it is not: a thread spins on a core while the partner it waits for is descheduled, the spinning takes the core
+from the partner or from the other process, and every region waits longer. Beside two busy processes on two cores,
+``make run``'s job took 4.5 to 4.8 times its idle time and burned twice its idle CPU time.
+
+A short spin keeps the idle speed (the gaps between a step's regions are a few microseconds to tens of
+microseconds) and, beside other work, sleeps before it wastes the core: :data:`OMP_SPIN_COUNT` iterations.
+``OMP_WAIT_POLICY=PASSIVE`` (no spin at all) wastes nothing but costs the idle job about 15%: every region then
+starts with a wake-up. The measurements are in docs/benchmarks.md ("The engine beside other work").
+
+GNU OpenMP reads these variables once, when the library loads, that is when torch is first imported: so
+``workbench`` sets the default at import, before it imports torch, and only where the user set neither
+``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY``. Child processes (tensor-parallel workers, servers, notebook kernels
+started from here) inherit it. A program that imports torch before workbench keeps OpenMP's own default
+(:func:`spin_default_applied` says whether it took effect).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: Spin iterations before an idle OpenMP thread sleeps (GNU OpenMP's ``GOMP_SPINCOUNT``; its own default: 300,000).
+OMP_SPIN_COUNT = 3000
+
+_applied: bool | None = None
+
+
+def set_spin_default() -> bool:
+    """Set ``GOMP_SPINCOUNT`` to :data:`OMP_SPIN_COUNT` unless the user chose a spin count or a wait policy, or
+    torch (and with it OpenMP) is already loaded; returns whether this process's OpenMP will run with it."""
+    global _applied
+    if _applied is None:
+        torch_loaded = "torch" in sys.modules
+        if not torch_loaded and "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+            os.environ["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
+        _applied = (
+            not torch_loaded
+            and os.environ.get("GOMP_SPINCOUNT") == str(OMP_SPIN_COUNT)
+            and "OMP_WAIT_POLICY" not in os.environ
+        )
+    return _applied
+
+
+def spin_default_applied() -> bool:
+    """Whether this process's OpenMP runs with :data:`OMP_SPIN_COUNT` (set by workbench before torch loaded)."""
+    return bool(_applied)
