@@ -9,7 +9,7 @@ descheduled takes far longer and burns more CPU for the same work.
 
     python benchmarks/contention.py --repeats 2                        # this tree, idle and beside stress-ng --cpu 2
     python benchmarks/contention.py --against 3d30c99 --repeats 2      # before/after, alternated
-    python benchmarks/contention.py --variant spin:WORKBENCH_CPU_WAIT_POLICY=spin   # a setting against the default
+    python benchmarks/contention.py --variant omp-default:GOMP_SPINCOUNT=300000   # OpenMP's own spin against ours
 
 Prints every run with the ``workbench`` package it imported, then the medians and the ratio beside load to idle.
 """
@@ -65,12 +65,18 @@ def _parse_variant(text: str) -> tuple[str, dict[str, str]]:
     "--variant",
     "variants",
     multiple=True,
-    help="NAME:VAR=VALUE,... environment settings to compare on this tree (repeatable; 'default' is always run)",
+    help="NAME:VAR=VALUE,... environment settings to compare on this tree (repeatable; the tree as it is, labelled "
+    "'this tree', always runs too)",
 )
 @click.option("--idle-only", is_flag=True, help="only the idle runs (a comparison of idle speed)")
 @click.option("--out", default="runs/bench-contention.json", show_default=True)
 def main(repeats: int, hogs: int, ref: str | None, variants: tuple[str, ...], idle_only: bool, out: str) -> None:
-    """Time make run's job idle and beside stress-ng, alternating trees or settings."""
+    """Time make run's job idle and beside stress-ng --cpu N (Debian's stress-ng must be on PATH), each run in a fresh
+    process, alternating this tree with --against REF's tree and with each --variant's settings.
+
+    Prints every run (wall time of the whole command and of the job, the CPU time it used, the workbench package it
+    imported), then per tree or variant the medians and the job's time beside load / idle (about 2x is a fair share
+    of two cores beside two busy processes). Writes every run to --out as JSON."""
     with tempfile.TemporaryDirectory(prefix="bench-contention-") as tmp:
         setups = [("this tree", REPO, {})]
         if ref:

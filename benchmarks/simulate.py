@@ -84,8 +84,12 @@ def _timed_command(tree: Path, rate: float, duration: float, seed: int, out: Pat
 def speed(rate, duration, repeats, first_seed, ref, out):
     """Time the whole `workbench simulate` command of the case study (70B, 4 x A100-80GB, util 0.9, max_num_seqs 256,
     RATE req/s for DURATION s, no ITL lists), each run in a fresh process, and its replay (the summary's
-    replay_wall_s). With --against REF, REF's tree (git archive) and this one alternate, seed by seed, and every run
-    prints the workbench package it imported."""
+    replay_wall_s). With --against REF, REF's tree (git archive) and this one (the working tree, uncommitted changes
+    included) alternate, seed by seed.
+
+    Prints every run (whole command and replay in wall seconds, steps simulated, the workbench package it imported),
+    then each tree's medians and, with --against, this tree's whole command / REF's (below 1: this tree is faster).
+    Writes every run to --out as JSON."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-sim-speed-") as tmp:

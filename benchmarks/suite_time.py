@@ -1,12 +1,13 @@
-"""Where the test suite's wall time goes: seconds per test file, from a pytest JUnit XML report.
+"""Where the test suite's time goes: seconds per test file, from a pytest JUnit XML report.
 
-    .venv/bin/python -m pytest -q -rs --junitxml=/tmp/suite.xml
-    python benchmarks/suite_time.py /tmp/suite.xml [--top 15]
+    make test PYTEST_ARGS=--junitxml=/tmp/suite.xml          # or: PYTEST_ARGS=... bash .ci/run
+    .venv/bin/python benchmarks/suite_time.py /tmp/suite.xml [--top 15]
 
 Prints one Markdown row per part, slowest first: the chapter notebooks under nbval (``labs/``) as one
 part, every file under ``tests/`` as its own, then the rest as one row. Seconds are pytest's own per-test
-times (setup + call + teardown, as JUnit's ``time`` attribute records them); their sum is a little under the
-run's wall time, which also counts collection. ``make test`` prints the 25 slowest tests (``--durations``)
+times (setup + call + teardown, as JUnit's ``time`` attribute records them). In one process their sum is a little
+under the run's wall time, which also counts collection; ``make test`` runs two workers, so the sum is about twice
+the wall time (the last row gives both). ``make test`` prints the 25 slowest tests (``--durations``)
 on every run; this gives the per-file totals that a list of single tests hides.
 """
 

@@ -107,6 +107,7 @@ def test_prefill_and_decode_logits_match_transformers(bundled_llm, hf_model, cha
             torch.testing.assert_close(row, ref, atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_second_start_reads_the_safetensors_cache(bundled_llm):
     folder = bundled_llm.llm_engine.model_folder
     assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()

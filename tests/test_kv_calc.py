@@ -303,6 +303,7 @@ def test_bundled_gguf_matches_catalogue_entry(bundled_arch):
     assert {f: getattr(bundled_arch, f) for f in fields} == {f: getattr(cat, f) for f in fields}
 
 
+@pytest.mark.slow
 def test_bundled_gguf_matches_engine_real_allocation(bundled_arch, bundled_llm):
     eng = bundled_llm.llm_engine
     mem = eng.memory

@@ -169,6 +169,7 @@ def test_lab_trace_is_seeded_and_long_tailed():
         labs.lab_trace(3, min_output=10, max_output=5)
 
 
+@pytest.mark.slow
 def test_claims_check_measures_and_corrects(bundled_llm):
     rows = ch.claims_check()
     assert "819,200 B" in rows[0]["measured"] and rows[0]["verdict"].startswith("wrong by 20x")

@@ -1,4 +1,4 @@
-"""How long torch's OpenMP threads spin before they sleep: ``OMP_SPIN_COUNT``, set before torch loads.
+"""How long torch's OpenMP threads spin before they sleep: ``GOMP_SPINCOUNT``, set before torch loads.
 
 The CPU build of torch runs its intra-op work (matmuls through oneDNN and MKL, elementwise ops, the C++ kernels'
 ``at::parallel_for``) on GNU OpenMP threads. Between two parallel regions, and at the barrier that ends one, a thread
@@ -6,7 +6,7 @@ that has nothing to do spins for ``GOMP_SPINCOUNT`` iterations (300,000 by defau
 sleeps, so that the next region starts without a wake-up. On an idle machine that is the right trade. On a shared
 one it is not: a thread spins on a core while the partner it waits for is descheduled, the spinning takes the core
 from the partner or from the other process, and every region waits longer. Beside two busy processes on two cores,
-``make run``'s job took 4.5 to 4.8 times its idle time and burned twice its idle CPU time.
+``make run``'s job took 4 to 5 times its idle time and burned twice its idle CPU time.
 
 A short spin keeps the idle speed (the gaps between a step's regions are a few microseconds to tens of
 microseconds) and, beside other work, sleeps before it wastes the core: :data:`OMP_SPIN_COUNT` iterations.
@@ -17,7 +17,11 @@ GNU OpenMP reads these variables once, when the library loads, that is when torc
 ``workbench`` sets the default at import, before it imports torch, and only where the user set neither
 ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY``. Child processes (tensor-parallel workers, servers, notebook kernels
 started from here) inherit it. A program that imports torch before workbench keeps OpenMP's own default
-(:func:`spin_default_applied` says whether it took effect).
+(:func:`spin_default_applied` says whether it took effect). ``GOMP_SPINCOUNT=300000`` restores OpenMP's own
+default for one command.
+
+Only GNU OpenMP (libgomp, which torch's Linux x86 wheels use) reads ``GOMP_SPINCOUNT``; under another OpenMP runtime
+the variable is set and has no effect.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ Processes and groups:
 * the compute group uses gloo on CPU and NCCL on CUDA, with ``distributed_timeout_s`` on every
   collective; step messages travel on a separate gloo group (pickled, length first) whose
   timeout is long, so an idle engine does not time its workers out;
-* after loading their shards the ranks meet on that group (``monitored_barrier``, timeout
-  ``LOAD_TIMEOUT_S`` or ``distributed_timeout_s`` if longer), so loading time, which differs by
-  rank, never counts against a collective's timeout.
+* a spawned worker has ``LOAD_TIMEOUT_S`` (or ``distributed_timeout_s`` if longer) to start, and after
+  loading their shards the ranks meet on that group (``monitored_barrier``, the same timeout), so
+  starting a Python process and loading, whose times differ by rank and by how busy the machine is,
+  never count against a collective's timeout (vLLM likewise waits minutes for its engine to be ready).
 
 Failure behaviour: a spawned worker first tells rank 0 over a pipe that it has bootstrapped;
 one that dies before (a script without the ``__main__`` guard, for one) fails the engine at
@@ -67,7 +68,8 @@ log = logging.getLogger("workbench")
 
 #: Timeout of the step-message group: workers wait on it while the engine is idle.
 CONTROL_TIMEOUT = timedelta(days=7)
-#: how long the ranks wait for each other to finish loading their shards (seconds; at least distributed_timeout_s)
+#: how long rank 0 waits for a spawned worker to start, and the ranks for each other to finish loading their shards
+#: (seconds; at least distributed_timeout_s)
 LOAD_TIMEOUT_S = 600.0
 
 
@@ -534,22 +536,23 @@ class TensorParallelExecutor(ModelExecutor):
         Raises:
             TensorParallelError: a worker exited before it joined the group (for a script without the
                 ``if __name__ == "__main__":`` guard, the message says so), or none of this within
-                ``distributed_timeout_s``. Every worker is stopped first.
+                ``LOAD_TIMEOUT_S`` (``distributed_timeout_s`` if longer). Every worker is stopped first.
         """
         from multiprocessing.connection import wait
 
         rt = self._rt
         pending = dict(enumerate(zip(ready, rt.procs, strict=True), start=1))
-        deadline = time.monotonic() + self.timeout_s
+        limit = max(LOAD_TIMEOUT_S, self.timeout_s)
+        deadline = time.monotonic() + limit
         try:
             while pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     ranks = ", ".join(f"rank {r} (pid {p.pid})" for r, (_, p) in pending.items())
                     self._refuse_start(
-                        f"tensor-parallel worker {ranks} did not start within distributed_timeout_s="
-                        f"{self.timeout_s:g} s; all workers were stopped. Raise distributed_timeout_s if this machine is slow "
-                        f"to start Python processes"
+                        f"tensor-parallel worker {ranks} did not start within {limit:g} s; all workers were stopped. "
+                        "Check that the worker processes can start (a blocked import, too little memory); "
+                        "distributed_timeout_s above that extends the wait"
                     )
                 wait([c for c, _ in pending.values()] + [p.sentinel for _, p in pending.values()], min(left, 1.0))
                 for r, (conn, p) in list(pending.items()):

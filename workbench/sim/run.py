@@ -25,10 +25,11 @@ from workbench.metrics.waste import flatten_breakdown, waste_breakdown
 from workbench.sim.engine import SimEngine, SimSpec
 from workbench.sim.trace import TraceRequest
 
-#: most steps drawn in report.html (a two-hour replay has hundreds of thousands; every k-th is kept)
-REPORT_MAX_STEPS = 20_000
-#: most requests drawn in report.html's latency figure
-REPORT_MAX_REQUESTS = 20_000
+#: most steps drawn in report.html (a two-hour replay has over a hundred thousand; every k-th is kept): a few points
+#: per pixel of a figure's width already, and plotly's validation of every point is most of the report's time
+REPORT_MAX_STEPS = 5_000
+#: most requests drawn in report.html's latency figure (percentiles of every request are in summary.json)
+REPORT_MAX_REQUESTS = 5_000
 
 
 @dataclass
