@@ -43,6 +43,7 @@ __all__ = [
     "EXERCISE_13_1",
     "regions_map",
     "defrag_run",
+    "defrag_runs",
     "defrag_trace",
     "gather_table",
     "gather_timing",
@@ -198,6 +199,31 @@ def defrag_run(
     return SimpleNamespace(
         name=name, allocator=kv_allocator, trigger=trigger, threshold=d.threshold, result=res, passes=d.records
     )
+
+
+def defrag_runs(
+    thresholds: dict[str, float | None], kv_allocator: str = "orca-max", progress: bool = True, **kw: Any
+) -> dict[str, SimpleNamespace]:
+    """:func:`defrag_run` under each trigger of ``thresholds`` (``{trigger: threshold or None}``), in order, with a
+    progress bar of the runs (each is a real engine run of several seconds)."""
+    items = list(thresholds.items())
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(items), desc="defragmentation runs", unit="run")
+    runs = {}
+    try:
+        for trigger, threshold in items:
+            if bar is not None:
+                bar.set_postfix_str(f"trigger {trigger}")
+            runs[trigger] = defrag_run(kv_allocator, trigger, threshold, **kw)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return runs
 
 
 # ====================================================================== one pass, shown
