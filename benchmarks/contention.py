@@ -52,7 +52,7 @@ def _parse_variant(text: str) -> tuple[str, dict[str, str]]:
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
-            raise click.BadParameter(f"{item!r}: give VAR=VALUE (e.g. spin:WORKBENCH_CPU_WAIT_POLICY=spin)")
+            raise click.BadParameter(f"{item!r}: give VAR=VALUE (e.g. omp-default:GOMP_SPINCOUNT=300000)")
         env[key] = value
     return name, env
 

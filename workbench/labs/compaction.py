@@ -206,23 +206,13 @@ def defrag_runs(
 ) -> dict[str, SimpleNamespace]:
     """:func:`defrag_run` under each trigger of ``thresholds`` (``{trigger: threshold or None}``), in order, with a
     progress bar of the runs (each is a real engine run of several seconds)."""
-    items = list(thresholds.items())
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(items), desc="defragmentation runs", unit="run")
     runs = {}
-    try:
-        for trigger, threshold in items:
-            if bar is not None:
-                bar.set_postfix_str(f"trigger {trigger}")
+    with tqdm(list(thresholds.items()), desc="defragmentation runs", unit="run", disable=not progress) as bar:
+        for trigger, threshold in bar:
+            bar.set_postfix_str(f"trigger {trigger}")
             runs[trigger] = defrag_run(kv_allocator, trigger, threshold, **kw)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
     return runs
 
 
