@@ -286,9 +286,16 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
     is_flag=True,
     help="add GET /admin/state, POST /admin/compact and /admin/max_num_seqs (an alert receiver's actions; not in vLLM)",
 )
+@click.option(
+    "--max-request-body-bytes",
+    default=16 * 1024 * 1024,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="larger request bodies are answered 413 unread (not in vLLM, which reads any size)",
+)
 @engine_options
 def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, log_level, api_key, enable_admin_api,
-          **kw):  # fmt: skip
+          max_request_body_bytes, **kw):  # fmt: skip
     """Serve the model over HTTP, as `vllm serve`: POST /v1/completions and /v1/chat/completions
     (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize
     and /detokenize. MODEL_TAG, when given, is the model (as --model).
@@ -298,13 +305,19 @@ def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, l
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
     """
+    from workbench.entrypoints.async_llm import EngineDeadError
     from workbench.server.api_server import run_server
 
     args = _engine_args(kw)
     if model_tag is not None:
         args["model"] = model_tag
     try:
-        run_server(args, host, port, served_model_name, log_level, graceful_shutdown_timeout, api_key, enable_admin_api)
+        run_server(
+            args, host, port, served_model_name, log_level, graceful_shutdown_timeout, api_key, enable_admin_api,
+            max_request_body_bytes,
+        )  # fmt: skip
+    except EngineDeadError as e:
+        raise click.ClickException(f"{e}; the server has stopped (exit status 1)") from None
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
 

@@ -23,7 +23,7 @@ from workbench.allocators.defrag import Defragmenter
 from workbench.attention.backend import auto_reason, check_backend
 from workbench.config import EngineConfig
 from workbench.executor import make_executor
-from workbench.inputs import Prompt, check_true_output_len, prompt_refusal, tokenize_prompt
+from workbench.inputs import Prompt, check_samplable, check_true_output_len, prompt_refusal, tokenize_prompt
 from workbench.kv import make_kv_manager, plugin_class
 from workbench.memory import MemoryBudget, resolve_lengths, swap_pool_blocks
 from workbench.metrics import Recorder, request_record
@@ -97,9 +97,15 @@ class LLMEngine:
         )
         ex.init_cache(self.memory.num_blocks, num_cpu_blocks)
         if backend := getattr(ex, "attn_backend", None):  # what attention_backend resolved to (auto: see its table)
-            why = "" if config.attention_backend != "auto" else ": " + auto_reason(backend.name, ex.device, config.kv_torch_dtype)
+            why = (
+                ""
+                if config.attention_backend != "auto"
+                else ": " + auto_reason(backend.name, ex.device, config.kv_torch_dtype)
+            )
             detail = f"; {backend.detail}" if getattr(backend, "detail", "") else ""
-            log.info("attention backend %s (attention_backend=%s%s)%s", backend.name, config.attention_backend, why, detail)
+            log.info(
+                "attention backend %s (attention_backend=%s%s)%s", backend.name, config.attention_backend, why, detail
+            )
         #: the KV pool's split, step by step, settled when requests release their blocks
         self.accounting = PoolAccounting(self.kv)
         self.defrag = Defragmenter.from_config(config, self.kv, self.memory.block_bytes, self.accounting)
@@ -155,6 +161,7 @@ class LLMEngine:
         """
         sp = sampling_params or SamplingParams()
         sp.verify()  # (also a field changed after construction)
+        self.check_samplable(sp)
         check_true_output_len(true_output_len)
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(
@@ -188,6 +195,10 @@ class LLMEngine:
         else:
             self.scheduler.add_request(group[0], group[1:])
         return request_id
+
+    def check_samplable(self, sp: SamplingParams) -> None:
+        """Refuse what this engine can never run (:func:`workbench.inputs.check_samplable`); ``ValueError``."""
+        check_samplable(sp, self.config.max_num_seqs, self.hf_config.vocab_size, self.eos_token_id)
 
     def _id_in_use(self, request_id: str, n: int) -> bool:
         """Whether ``request_id`` (and its sequences' ``<id>#<i>`` when ``n > 1``) clashes with a request's id."""
@@ -277,6 +288,8 @@ class LLMEngine:
         t_model = self.clock()
         if not out.is_empty:
             finished += self.scheduler.update(out, result.sampled, t_model)
+            if result.failed:
+                finished += self._fail(result.failed)
             if self.output.num_detokenizing:
                 finished += self.output.stop_strings([self.requests[rid] for rid in result.sampled], self.scheduler)
         t_end = self.clock()
@@ -289,6 +302,20 @@ class LLMEngine:
             if o.finished:
                 del self.groups[o.request_id]
         return outputs
+
+    def _fail(self, failed: dict[str, str]) -> list[Request]:
+        """End each request of ``failed`` (sequence id -> why) and its sibling sequences with
+        ``finish_reason="error"``, releasing their blocks; the other requests go on."""
+        ended = []
+        for rid, why in failed.items():
+            req = self.requests.get(rid)
+            for seq in self.groups.get(req.parent_id, ()) if req is not None else ():
+                if not seq.is_finished:
+                    seq.error = why
+                    self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
+                    ended.append(seq)
+            log.warning("request %s ended: %s", rid, why)
+        return ended
 
     def _record_step(self, out: SchedulerOutput, finished, t_start, t_end, sched_s, result) -> None:
         """The step's StepStats (with the KV pool's split), block map, and finished requests' records."""

@@ -86,13 +86,65 @@ def tokenize_prompt(tokenizer, vocab_size: int, prompt: Prompt) -> tuple[list[in
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(f"prompt {prompt!r} is not a prompt: give {_FORMS}")
     if prompt and isinstance(prompt[0], dict):
-        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-            raise ValueError(f"chat messages must be dicts with 'role' and 'content': {prompt!r}")
+        messages = chat_messages(prompt)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat messages need a tokenizer with a chat template; pass a plain string")
-        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own check (e.g. roles out of order): the caller's input
+            raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from None
         return tokenizer.encode(text, add_special_tokens=False), text
     return check_token_ids(prompt, vocab_size), None
+
+
+def chat_messages(messages) -> list[dict]:
+    """Chat messages as the chat template takes them: ``{"role": str, "content": str}`` each, with
+    OpenAI's content parts (``[{"type": "text", "text": str}, ...]``) joined and ``None`` content
+    (an assistant turn without text) as ``""``.
+
+    Raises:
+        ValueError: a message that is not a dict with a string ``role``, or content that is not a string,
+            ``None`` or a list of text parts with string ``text``; the message names where
+            (``messages[i].content[j].text``).
+    """
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"messages[{i}]={m!r} must be a dict with a string 'role' and a 'content'")
+        content = m["content"]
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ValueError(f"messages[{i}].content[{j}]: only text content parts are supported (type 'text')")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(
+                        f"messages[{i}].content[{j}].text={part.get('text')!r} must be a string (a text part's text)"
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content={content!r} must be a string, a list of text parts, or null")
+        out.append({**m, "content": content})
+    return out
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
+    """The most characters a text prompt can have and still fit ``max_model_len`` tokens, or ``None``
+    when that cannot be bounded (no tokenizer, or one with a normalizer, which may drop characters).
+
+    No token covers more characters than its vocabulary entry has (byte-level BPE writes a byte per
+    character), so a text longer than ``max_model_len`` times the longest entry has more tokens than
+    ``max_model_len``: it can be refused before it is tokenized, whose time grows with its length.
+    """
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    return max_model_len * max(len(t) for t in tokenizer.get_vocab())
 
 
 def prompt_refusal(n: int, max_model_len: int, pool_tokens: int) -> str | None:
@@ -110,6 +162,31 @@ def prompt_refusal(n: int, max_model_len: int, pool_tokens: int) -> str | None:
             "or give the KV cache more memory"
         )
     return None
+
+
+def check_samplable(sp, max_num_seqs: int, vocab_size: int, eos_token_id: int | None) -> None:
+    """Refuse :class:`~workbench.sampling_params.SamplingParams` an engine can never run, whatever the
+    prompt: more sequences (``n``) than ``max_num_seqs`` (they run side by side; vLLM's server has the same
+    bound), or a ``min_tokens`` mask that covers the whole vocabulary (no token could be sampled).
+
+    Raises:
+        ValueError: naming the field, the bound and the fix.
+    """
+    if sp.n > max_num_seqs:
+        raise ValueError(
+            f"n={sp.n} exceeds max_num_seqs={max_num_seqs}: a request's n sequences run side by side; "
+            f"use n <= {max_num_seqs} (or a larger max_num_seqs)"
+        )
+    if sp.min_tokens == 0:
+        return
+    banned = {t for t in sp.stop_token_ids if t < vocab_size}
+    if not sp.ignore_eos and eos_token_id is not None:
+        banned.add(eos_token_id)
+    if len(banned) >= vocab_size:
+        raise ValueError(
+            f"min_tokens={sp.min_tokens} masks stop_token_ids and EOS, which here cover all {vocab_size} tokens of "
+            "the vocabulary, so no token could be sampled; list fewer stop_token_ids or set min_tokens=0"
+        )
 
 
 def check_true_output_len(value, name: str = "true_output_len") -> None:

@@ -96,11 +96,16 @@ class SamplingParams:
         _integer("max_tokens", self.max_tokens, 1)
         _integer("min_tokens", self.min_tokens, 0, self.max_tokens, hint=f"max_tokens={self.max_tokens}")
         _integer("top_k", self.top_k, -1)
-        _number("temperature", self.temperature, 0.0, None, "must be >= 0 (0 = greedy)")
-        _number("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1] (1 = no nucleus cut)", open_low=True)
+        # the sampler computes in floating point: each number is stored as the float it stands for
+        self.temperature = _number("temperature", self.temperature, 0.0, None, "must be >= 0 (0 = greedy)")
+        self.top_p = _number("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1] (1 = no nucleus cut)", open_low=True)
         for name in ("presence_penalty", "frequency_penalty"):
-            _number(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2] (0 = off)")
-        _number("repetition_penalty", self.repetition_penalty, 0.0, None, "must be > 0 (1 = off)", open_low=True)
+            setattr(self, name, _number(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2] (0 = off)"))
+        self.repetition_penalty = _number(
+            "repetition_penalty", self.repetition_penalty, 0.0, None, "must be > 0 (1 = off)", open_low=True
+        )
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _boolean(name, getattr(self, name))
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name), 0, MAX_LOGPROBS, hint=f"the cap max_logprobs={MAX_LOGPROBS}")
@@ -140,11 +145,24 @@ def _where(lo, hi, hint: str) -> str:
     return rng + (f" ({hint})" if hint else "")
 
 
-def _number(name: str, value, lo: float, hi: float | None, rule: str, open_low: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite real number (not a ``bool``) within the bounds."""
+def _number(name: str, value, lo: float, hi: float | None, rule: str, open_low: bool = False) -> float:
+    """``value`` as a ``float``; raise ``ValueError`` unless it is a real number (not a ``bool``) that a
+    float holds finitely (an integer past about 1.8e308 does not) and within the bounds."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name}={value!r} must be a number (got {type(value).__name__}); it {rule}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} is not a finite number; it {rule}")
-    if not ((value > lo if open_low else value >= lo) and (hi is None or value <= hi)):
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf
+    if not math.isfinite(x):
+        shown = value if isinstance(value, float) else f"an integer of {len(str(abs(value)))} digits"
+        raise ValueError(f"{name}={shown} is not a finite number; it {rule}")
+    if not ((x > lo if open_low else x >= lo) and (hi is None or x <= hi)):
         raise ValueError(f"{name}={value!r} {rule}")
+    return x
+
+
+def _boolean(name: str, value) -> None:
+    """Raise ``ValueError`` unless ``value`` is a ``bool`` (``"no"`` or ``0`` would read as a truth value)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False (got {type(value).__name__})")

@@ -62,7 +62,7 @@ class AsyncLLM:
         history: steps and request records kept by the default recorder.
         check_invariants: check the KV manager's invariants after every step (slow; the soak test
             uses it); default: environment variable ``WORKBENCH_CHECK_INVARIANTS=1``. A violation stops
-            the engine loop (``/health`` then answers 503).
+            the engine loop (:attr:`on_dead`; ``workbench serve`` then exits non-zero).
         **engine_args: any :class:`EngineConfig` field, with vLLM's names.
 
     Raises:
@@ -91,6 +91,8 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._stopping = False
         self.dead: BaseException | None = None  #: the error that stopped the engine loop, if any
+        #: called with that error, on the engine thread, once the loop has stopped on it (the server exits)
+        self.on_dead: list = []
         self._beat = time.monotonic()  # the engine loop's last sign of life
         self._thread = threading.Thread(target=self._loop, name="workbench-engine", daemon=True)
         self._thread.start()
@@ -214,11 +216,14 @@ class AsyncLLM:
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         eng = self.engine
+        check_alive = getattr(eng.executor, "check_alive", None)
         try:
             while not self._stopping:
                 self._beat = time.monotonic()
                 self._drain_inbox()
                 if not eng.has_unfinished_requests():
+                    if check_alive is not None:
+                        check_alive()  # a dead tensor-parallel worker stops the loop while idle too
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -235,11 +240,13 @@ class AsyncLLM:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.put(out)
-        except BaseException as e:  # a worker died, a bug: every caller learns why
+        except BaseException as e:  # a worker died, a bug no request can be blamed for: every caller learns why
             self.dead = e
             log.exception("the engine loop stopped")
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError(f"the engine loop stopped: {e}"))
+            for fn in self.on_dead:
+                fn(e)
 
     def _drain_inbox(self) -> None:
         eng = self.engine
@@ -252,7 +259,10 @@ class AsyncLLM:
                 _, rid, prompt, sp, priority, tokenized = cmd
                 try:
                     eng.add_request(rid, prompt, sp, tokenized=tokenized, priority=priority)
-                except (ValueError, TypeError) as e:
+                except Exception as e:  # refused: only this request's caller learns why
+                    if not isinstance(e, (ValueError, TypeError)):
+                        log.exception("request %s could not be added", rid)
+                        e = ValueError(f"the request could not be added: {type(e).__name__}: {e}")
                     stream = self._streams.get(rid)
                     if stream is not None:
                         stream.put(e)

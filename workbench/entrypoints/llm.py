@@ -92,6 +92,7 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params holds {sp!r}; give SamplingParams objects")
             sp.verify()
+            self.llm_engine.check_samplable(sp)
         eng = self.llm_engine
         tokenized = [eng.tokenize(p) for p in prompts]
         base = eng._counter
@@ -119,8 +120,15 @@ class LLM:
                 f"kv_allocator={eng.config.kv_allocator!r} needs each prompt's true output length: pass "
                 "true_output_lens (e.g. from a kv_allocator='paged' run), or use kv_allocator='orca-max'"
             )
-        for rid, p, sp, tok, pr, n in zip(ids, prompts, sps, tokenized, prios, lens):
-            eng.add_request(rid, p, sp, tokenized=tok, priority=pr, true_output_len=n)
+        added = []
+        try:
+            for rid, p, sp, tok, pr, n in zip(ids, prompts, sps, tokenized, prios, lens):
+                eng.add_request(rid, p, sp, tokenized=tok, priority=pr, true_output_len=n)
+                added.append(rid)
+        except BaseException:  # refused: none of this call's requests stays queued
+            for rid in added:
+                eng.abort(rid)
+            raise
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -132,13 +140,18 @@ class LLM:
             )
         results: dict[str, RequestOutput] = {}
         rec = eng.recorder
-        while eng.has_unfinished_requests():
-            seen = len(rec.steps)
-            finished = eng.step()
-            for o in finished:
-                results[o.request_id] = o
-            if bar is not None:
-                bar.update(finished, rec.steps[-1] if len(rec.steps) > seen else None)
+        try:
+            while eng.has_unfinished_requests():
+                seen = len(rec.steps)
+                finished = eng.step()
+                for o in finished:
+                    results[o.request_id] = o
+                if bar is not None:
+                    bar.update(finished, rec.steps[-1] if len(rec.steps) > seen else None)
+        except BaseException:  # (an interrupt, or an error no request can be blamed for) none stays queued
+            for rid in ids:
+                eng.abort(rid)
+            raise
         if bar is not None:
             bar.close(rec.steps[-1] if rec.steps else None)
         return [results[i] for i in ids]

@@ -39,6 +39,8 @@ class ModelRunnerOutput:
         comm: the step's collectives (``to_dict()`` gives StepStats' communication fields), or ``None``.
         logprobs, prompt_logprobs: request id -> raw log-probabilities of the sampled token / of the step's
             prompt tokens (:func:`workbench.sample_ops.step_logprobs`), for requests that asked.
+        failed: request id -> why its row could not be sampled (:class:`~workbench.sampling.SamplingError`);
+            the engine ends that request with ``finish_reason="error"`` and steps on for the others.
     """
 
     sampled: dict[str, int]
@@ -49,6 +51,7 @@ class ModelRunnerOutput:
     logprobs: dict | None = None
     prompt_logprobs: dict | None = None
     copy_time_s: float = 0.0
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -245,11 +248,19 @@ class ModelExecutor:
         logits = self.execute_model(inp)
         t1 = time.perf_counter()
         reqs = [s.request for s in inp.sampling]
-        toks = sample(logits[: len(reqs)], [r.sampling_params for r in reqs], [r.generator for r in reqs], reqs)
+        errors: dict[int, str] = {}
+        params, gens = [r.sampling_params for r in reqs], [r.generator for r in reqs]
+        toks = sample(logits[: len(reqs)], params, gens, reqs, errors)
+        failed = {reqs[i].request_id: why for i, why in errors.items()}
+        if failed:  # a failed row has no token: it gets no logprobs and no update
+            keep = [i for i in range(len(reqs)) if i not in errors]
+            logits = torch.cat([logits[keep], logits[len(reqs) :]])
+            reqs, toks = [reqs[i] for i in keep], [toks[i] for i in keep]
         lps = step_logprobs(logits, reqs, toks, inp.prompt_rows) if inp.prompt_rows or any_logprobs(reqs) else (None,)
         comm = self.stats.since(comm0) if comm0 is not None else None
         sampled = {r.request_id: t for r, t in zip(reqs, toks)}
-        return ModelRunnerOutput(sampled, t1 - t0, time.perf_counter() - t1, 0, comm, *lps, copy_time_s=copy_s)
+        sample_s = time.perf_counter() - t1
+        return ModelRunnerOutput(sampled, t1 - t0, sample_s, 0, comm, *lps, copy_time_s=copy_s, failed=failed)
 
     def shutdown(self) -> None:
         """Release what the executor holds (worker processes); idempotent."""

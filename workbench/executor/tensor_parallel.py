@@ -48,8 +48,10 @@ import logging
 import multiprocessing
 import os
 import pickle
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -227,10 +229,14 @@ def _stop_tracker() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def loopback_env() -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to the loopback interface (``lo`` on Linux),
+    unless the user set them: the sockets of a one-machine group then listen on 127.0.0.1 only (Gloo
+    otherwise binds the address the host name resolves to)."""
+    names = [n for _, n in socket.if_nameindex() if n.startswith("lo")] if hasattr(socket, "if_nameindex") else []
+    if not names:
+        return {}
+    return {k: names[0] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k not in os.environ}
 
 
 def _torchrun_env() -> tuple[int, int] | None:
@@ -339,6 +345,7 @@ class _Runtime:
         self.saved_threads: int | None = None
         self.saved_env: dict[str, str | None] = {}
         self.lock = threading.Lock()
+        self.store_dir: str | None = None  #: the rendezvous file's folder (spawned workers)
         #: whether multiprocessing's resource tracker (a helper process ``spawn`` starts) ran before us
         self.tracker_was_running = _tracker_running()
 
@@ -384,6 +391,8 @@ class _Runtime:
             pass
         if not self.tracker_was_running and self.procs and not multiprocessing.active_children():
             _stop_tracker()  # started for our workers: stop it too, so that no process is left
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
         if self.saved_threads is not None:
             torch.set_num_threads(self.saved_threads)
         for k, v in self.saved_env.items():
@@ -453,6 +462,8 @@ class TensorParallelExecutor(ModelExecutor):
         rt = self._rt = _Runtime()
         self._finalizer = weakref.finalize(self, rt.close)
         env = nccl_env(config)
+        if launched is None:  # our own workers, on this machine: nothing of the group listens beyond loopback
+            env |= loopback_env()
         rt.saved_env = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         if device.type == "cpu":
@@ -464,7 +475,9 @@ class TensorParallelExecutor(ModelExecutor):
         timeout = timedelta(seconds=self.timeout_s)
         try:
             if launched is None:
-                init_method = f"tcp://127.0.0.1:{_free_port()}"
+                # the rendezvous is a file (torch's FileStore), not a TCP store: TCPStore binds every interface
+                rt.store_dir = tempfile.mkdtemp(prefix="workbench-tp-")
+                init_method = "file://" + os.path.join(rt.store_dir, "store")
                 spec = dict(
                     env=env,
                     parent_pid=os.getpid(),
@@ -643,6 +656,13 @@ class TensorParallelExecutor(ModelExecutor):
     @property
     def is_alive(self) -> bool:
         return hasattr(self, "_rt") and not self._rt.closed
+
+    def check_alive(self) -> None:
+        """Raise :class:`TensorParallelError` when a worker has exited (the watchdog then stopped the
+        others): an idle engine learns it without waiting for its next step."""
+        rt = getattr(self, "_rt", None)
+        if rt is not None and rt.failure is not None:
+            raise TensorParallelError(f"tensor-parallel group failed: {rt.failure}; all workers were stopped")
 
 
 # ---------------------------------------------------------------------- torchrun entry

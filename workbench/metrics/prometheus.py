@@ -348,6 +348,16 @@ class PrometheusSink:
         self.kv_bytes_per_token.set(mem.kv_bytes_per_token)
         self.kv_pool_bytes.set(mem.kv_pool_bytes)
         self.comm_buffer_bytes.set(mem.comm_buffer_bytes)
+        kv = getattr(engine, "kv", None)  # the pool as it stands before the first step (empty)
+        if kv is not None:
+            self.blocks_free.set(kv.num_free_blocks)
+            self.blocks_used.set(kv.num_blocks - kv.num_free_blocks)
+
+    def engine_stopped(self) -> None:
+        """The engine loop stopped on an error: it runs and queues nothing any more (the gauges say so
+        rather than freezing at the last step's values)."""
+        for g in (self.running, self.waiting, self.swapped):
+            g.set(0)
 
     # ------------------------------------------------------------------ sink interface
     def on_step(self, s: StepStats) -> None:

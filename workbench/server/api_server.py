@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -35,8 +36,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workbench.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from workbench.inputs import chat_messages, max_prompt_chars
 from workbench.metrics.prometheus import PrometheusSink
 from workbench.outputs import RequestOutput
+from workbench.sampling import SAMPLING_FAILED
 from workbench.sampling_params import RequestOutputKind, SamplingParams
 from workbench.server.protocol import (
     APIError,
@@ -49,6 +52,40 @@ from workbench.server.protocol import (
 log = logging.getLogger("workbench.server")
 
 
+#: the largest request body ``workbench serve`` reads (bytes; ``--max-request-body-bytes``); vLLM has no
+#: such bound. A prompt that fits ``max_model_len`` is far smaller; a larger body is answered 413 unread.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body (declared, or as it arrives) exceeds ``max_bytes`` is
+    answered 413 with OpenAI's error body, before the rest is read or parsed."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _message(self) -> str:
+        return f"the request body is larger than {self.max_bytes} bytes (--max-request-body-bytes); send less"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await JSONResponse(APIError(self._message(), 413).body(), 413)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:
+                raise StarletteHTTPException(413, self._message())
+            return msg
+
+        return await self.app(scope, limited, send)
+
+
 class OpenAIServing:
     """What the endpoints share: the engine, the served name, request checks and response shapes."""
 
@@ -56,10 +93,25 @@ class OpenAIServing:
         self.llm = llm
         self.name = served_model_name
         self.created = int(time.time())
+        #: tokenization and chat templating run here, one at a time, never on the event loop: a long prompt
+        #: takes its time without holding up /health or other streams
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="workbench-tokenize")
+        #: a text prompt longer than this cannot fit max_model_len (:func:`workbench.inputs.max_prompt_chars`)
+        self.max_prompt_chars = max_prompt_chars(llm.tokenizer, llm.max_model_len)
 
     # ------------------------------------------------------------------ checks
     def check_request(self, req) -> None:
-        """The model name (404 when unknown), the priority and a caller's request id (400)."""
+        """Every string encodable (400 naming the field), the model name (404 when unknown), the
+        priority and a caller's request id (400)."""
+        for name, v in req.model_dump().items():
+            where = _unencodable(v, name)
+            if where:
+                raise APIError(
+                    f"{where} holds a lone UTF-16 surrogate (e.g. the JSON escape \\ud800 without its pair), "
+                    "which is not text; send valid Unicode",
+                    400,
+                    where.split(".")[0].split("[")[0],
+                )
         if req.model is not None and req.model != self.name:
             raise APIError(f"The model `{req.model}` does not exist; this server serves `{self.name}`.", 404, "model")
         policy = self.llm.engine.config.scheduling_policy
@@ -85,11 +137,38 @@ class OpenAIServing:
         if rid is not None and any(k == rid or k.startswith(rid + "-") for k in self.llm.running_ids()):
             raise APIError(f"request_id {rid!r} is already running; use a unique id", 400, "request_id")
 
-    def tokenize(self, prompt, param: str) -> tuple[list[int], str | None]:
+    async def tokenize(
+        self, prompt, param: str, add_special_tokens: bool | None = None
+    ) -> tuple[list[int], str | None]:
+        """Token ids and text of a prompt, computed on the tokenizer's thread (the event loop keeps serving);
+        a text longer than :attr:`max_prompt_chars` is refused before it is tokenized.
+        ``add_special_tokens``: ``/tokenize``'s own choice for a text prompt (``None``: the engine's)."""
+        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt if isinstance(m, dict)]
+        chars = sum(len(t) for t in texts if isinstance(t, str))
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise APIError(
+                f"the prompt has {chars} characters, more than max_model_len={self.llm.max_model_len} tokens can "
+                f"hold with this tokenizer (at most {self.max_prompt_chars}); shorten the prompt",
+                400,
+                param,
+            )
+        eng = self.llm.engine
+
+        def work():
+            if add_special_tokens is not None and isinstance(prompt, str):
+                if eng.tokenizer is None:
+                    raise ValueError("this model has no tokenizer: send token ids")
+                return eng.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt
+            return eng.tokenize(prompt)
+
         try:
-            return self.llm.engine.tokenize(prompt)
-        except (ValueError, TypeError) as e:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, work)
+        except (ValueError, TypeError, UnicodeError) as e:
             raise APIError(str(e), 400, param) from None
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """``ids`` as text, on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, self.llm.tokenizer.decode, ids)
 
     def max_tokens(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
         """``max_tokens`` after vLLM's length checks; ``None`` = what ``max_model_len`` leaves."""
@@ -123,7 +202,7 @@ class OpenAIServing:
     def sampling_params(self, req, max_tokens: int, logprobs: int | None, stream: bool) -> SamplingParams:
         """The request's :class:`SamplingParams`; a field out of range is a 400 naming it."""
         try:
-            return SamplingParams(
+            sp = SamplingParams(
                 n=req.n,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
@@ -143,6 +222,8 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             )
+            self.llm.engine.check_samplable(sp)
+            return sp
         except (ValueError, TypeError) as e:
             m = re.match(r"\s*(\w+)\s*=", str(e))
             raise APIError(str(e), 400, m.group(1) if m else None) from None
@@ -251,17 +332,42 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def _chat_messages(messages) -> list[dict]:
-    """Messages as the chat template takes them (content parts joined into text)."""
-    out = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            texts = [p.get("text", "") for p in content if p.get("type") == "text"]
-            if len(texts) != len(content):
-                raise APIError("only text content parts are supported (type 'text')", 400, "messages")
-            content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
-    return out
+    """The request's messages as dicts for :func:`workbench.inputs.chat_messages` (which checks them)."""
+    return [{"role": m.role, "content": m.content} | ({"name": m.name} if m.name is not None else {}) for m in messages]
+
+
+def _request_error(out: RequestOutput, param: str) -> APIError:
+    """The error a request ended with: a prompt the engine refused (400 naming ``param``), or a failure
+    while it ran that ended only it (500; :class:`~workbench.sampling.SamplingError`)."""
+    if out.error.startswith(SAMPLING_FAILED):
+        return APIError(out.error, 500, None)
+    return APIError(out.error, 400, param)
+
+
+def _checked_messages(messages) -> list[dict]:
+    """:func:`_chat_messages`, checked (:func:`workbench.inputs.chat_messages`): a bad one is a 400 naming where."""
+    try:
+        return chat_messages(_chat_messages(messages))
+    except ValueError as e:
+        raise APIError(str(e), 400, "messages") from None
+
+
+def _unencodable(value, path: str) -> str | None:
+    """The path (``messages[0].content``) of the first string inside ``value`` (a request's fields, as
+    ``model_dump`` gives them) that UTF-8 cannot encode: JSON's ``\\ud800`` escape gives a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        at = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
+        where = (_unencodable(k, path) if isinstance(k, str) else None) or _unencodable(v, at)
+        if where:
+            return where
+    return None
 
 
 def build_app(
@@ -271,6 +377,7 @@ def build_app(
     api_key: str | None = None,
     health_stall_s: float = 300.0,
     enable_admin_api: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI application over ``llm`` (see the module docstring for the endpoints). With
     ``api_key``, every ``/v1`` and ``/admin`` request needs the header ``Authorization: Bearer <api_key>``
@@ -285,6 +392,7 @@ def build_app(
         llm.shutdown()  # in-flight requests aborted, tensor-parallel workers stopped
 
     app = FastAPI(title="workbench", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
 
     if api_key:
 
@@ -310,11 +418,11 @@ def build_app(
             err = (first.get("ctx") or {}).get("error", "invalid JSON")
             msg = f"the body is not valid JSON ({err} at character {loc[0] if loc else '?'}); send one JSON object"
             return JSONResponse(APIError(msg, 400, None).body(), status_code=400)
-        if not loc and kind in ("model_attributes_type", "dict_type"):
+        if not loc and kind in ("model_attributes_type", "dict_type", "missing"):
             msg = "the body must be a JSON object sent with the header Content-Type: application/json"
             return JSONResponse(APIError(msg, 400, None).body(), status_code=400)
         field = str(loc[0]) if loc else None  # the request's field (not pydantic's union branch)
-        where = field + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))
+        where = (field or "") + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))
         msg = f"{where or 'body'}: {first.get('msg', 'invalid value')}"
         if kind != "missing":
             msg += f" (got {json.dumps(first.get('input'), default=str)})"
@@ -384,12 +492,9 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' and 'messages'", 400, "prompt")
         if req.messages is not None:
-            ids, _ = serving.tokenize(_chat_messages(req.messages), "messages")
+            ids, _ = await serving.tokenize(_checked_messages(req.messages), "messages")
         else:
-            tok = llm.tokenizer
-            if tok is None:
-                raise APIError("this model has no tokenizer", 400, "prompt")
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids, _ = await serving.tokenize(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -399,7 +504,7 @@ def build_app(
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, "tokens")
-        return {"prompt": llm.tokenizer.decode(req.tokens)}
+        return {"prompt": await serving.detokenize(req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):
@@ -415,7 +520,7 @@ def build_app(
             prompts = [prompts]
         if not prompts:
             raise APIError("prompt is empty; give a string, a list of strings or token ids", 400, "prompt")
-        toks = [serving.tokenize(p, "prompt") for p in prompts]
+        toks = [await serving.tokenize(p, "prompt") for p in prompts]
         sps = [
             serving.sampling_params(
                 req, serving.max_tokens(len(t[0]), req.max_tokens, "prompt"), req.logprobs, req.stream
@@ -436,7 +541,7 @@ def build_app(
                 try:
                     async for i, out in serving.stream_all(jobs):
                         if out.error:
-                            yield _sse(APIError(out.error, 400, "prompt").body())
+                            yield _sse(_request_error(out, "prompt").body())
                             continue
                         for c in out.outputs:  # one choice per chunk
                             idx = i * n + c.index
@@ -468,7 +573,7 @@ def build_app(
         choices, n_out = [], 0
         for i, out in enumerate(outs):
             if out.error:
-                raise APIError(out.error, 400, "prompt")
+                raise _request_error(out, "prompt")
             for c in out.outputs:
                 n_out += len(c.token_ids)
                 choices.append(
@@ -491,7 +596,7 @@ def build_app(
             raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(f"top_logprobs={req.top_logprobs} must be in [0, 20]", 400, "top_logprobs")
-        tok = serving.tokenize(_chat_messages(req.messages), "messages")
+        tok = await serving.tokenize(_checked_messages(req.messages), "messages")
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         sp = serving.sampling_params(req, serving.max_tokens(len(tok[0]), limit, "messages"), logprobs, req.stream)
@@ -510,7 +615,7 @@ def build_app(
                 try:
                     async for _, out in serving.stream_all(jobs):
                         if out.error:
-                            yield _sse(APIError(out.error, 400, "messages").body())
+                            yield _sse(_request_error(out, "messages").body())
                             continue
                         if not started:  # the role first, for every choice (as vLLM)
                             started = True
@@ -550,7 +655,7 @@ def build_app(
             return Response(status_code=499)
         (out,) = outs
         if out.error:
-            raise APIError(out.error, 400, "messages")
+            raise _request_error(out, "messages")
         choices = [
             {
                 "index": c.index,
@@ -564,7 +669,82 @@ def build_app(
         n_out = sum(len(c.token_ids) for c in out.outputs)
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(n_prompt, n_out)}
 
+    app.openapi = lambda: _openapi(app, guarded=bool(api_key))
     return app
+
+
+#: OpenAI's error body, as :class:`APIError` writes it
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+
+#: what each route answers besides 200, as the handlers above do (the OpenAPI document lists these, not
+#: FastAPI's default 422, which this server never sends: a bad body is a 400 naming the field)
+_ERRORS = {
+    "/v1/completions": {
+        400: "an invalid field (named in param), or a prompt past max_model_len",
+        404: "an unknown model",
+        413: "a body past --max-request-body-bytes",
+        500: "the request failed while it ran (only it: the engine serves the others)",
+        503: "the engine has stopped; the server is exiting",
+    },
+    "/tokenize": {400: "an invalid field", 404: "an unknown model", 413: "a body past --max-request-body-bytes"},
+    "/metrics": {404: "the server runs without metrics"},
+    "/health": {503: "the engine has stopped, or made no progress for too long"},
+}
+_ERRORS["/v1/chat/completions"] = _ERRORS["/v1/completions"]
+_ERRORS["/detokenize"] = _ERRORS["/tokenize"]
+#: the 200 answers that are not JSON
+_OK_CONTENT = {"/health": None, "/metrics": "text/plain"}
+
+
+def _openapi(app: FastAPI, guarded: bool) -> dict:
+    """The OpenAPI document of ``app``, with the status codes and content types the server sends."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    doc.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = _ERROR_SCHEMA
+    for c in ("HTTPValidationError", "ValidationError"):
+        doc["components"]["schemas"].pop(c, None)
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            responses = op["responses"]
+            responses.pop("422", None)
+            ok = responses.get("200", {})
+            if path in _OK_CONTENT:
+                kind = _OK_CONTENT[path]
+                ok.pop("content", None)
+                if kind:
+                    ok["content"] = {kind: {"schema": {"type": "string"}}}
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            for status, why in _ERRORS.get(path, {}).items():
+                responses[str(status)] = {"description": why} | ({"content": ref} if path != "/health" else {})
+            if path.startswith("/admin/") and "{rest}" in path:
+                responses.pop("200", None)
+                responses["404"] = {"description": "the admin API is off (--enable-admin-api)", "content": ref}
+            elif path.startswith("/admin/"):
+                responses["400"] = {"description": "an invalid value", "content": ref}
+            if guarded and path.startswith(("/v1", "/admin")):
+                responses["401"] = {"description": "a missing or wrong API key", "content": ref}
+    app.openapi_schema = doc
+    return doc
 
 
 class _GracefulServer:
@@ -666,11 +846,15 @@ def run_server(
     graceful_shutdown_timeout: float = 5.0,
     api_key: str | None = None,
     enable_admin_api: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> None:
     """Load the engine, then serve until SIGINT / SIGTERM (blocks); ``enable_admin_api``: :func:`add_admin_routes`.
 
     Raises:
         ValueError / FileNotFoundError: a bad engine argument, before anything listens.
+        EngineDeadError: the engine stopped on an error no request can be blamed for (a tensor-parallel
+            worker died, a failed forward pass); the server has shut down (``workbench serve`` exits 1,
+            so that a supervisor restarts it, as vLLM's does).
     """
     import uvicorn
 
@@ -679,7 +863,9 @@ def run_server(
         name = served_model_name or llm.engine.config.model
         sink = PrometheusSink(name, engine=llm.engine)
         llm.engine.recorder.add_sink(sink)
-        app = build_app(llm, name, sink, api_key, enable_admin_api=enable_admin_api)
+        app = build_app(
+            llm, name, sink, api_key, enable_admin_api=enable_admin_api, max_request_body_bytes=max_request_body_bytes
+        )
         log.info(
             "serving %s on http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions; "
             "Prometheus: /metrics)",
@@ -700,9 +886,19 @@ def run_server(
         # no-ops, so that the process ends normally (exit 0) after a clean shutdown
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-        _GracefulServer(config, llm, graceful_shutdown_timeout).run()
+        server = _GracefulServer(config, llm, graceful_shutdown_timeout)
+
+        def engine_died(e: BaseException) -> None:  # (on the engine thread) as vLLM: exit so a supervisor restarts us
+            sink.engine_stopped()
+            log.error("the engine stopped (%s: %s); the server shuts down and exits with status 1", type(e).__name__, e)
+            server.should_exit = True
+
+        llm.on_dead.append(engine_died)
+        server.run()
     finally:
         llm.shutdown()
+    if llm.dead is not None:
+        raise EngineDeadError(f"the engine stopped: {type(llm.dead).__name__}: {llm.dead}")
 
 
 __all__ = ["OpenAIServing", "add_admin_routes", "build_app", "run_server"]

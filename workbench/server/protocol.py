@@ -110,6 +110,7 @@ class APIError(Exception):
         401: "AuthenticationError",
         404: "NotFoundError",
         405: "MethodNotAllowedError",
+        413: "RequestEntityTooLargeError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }
