@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from workbench import LLM, SamplingParams
-from workbench.inputs import chat_messages
+from workbench.inputs import chat_messages, tokenize_prompt
 from workbench.sampling import SAMPLING_FAILED, SamplingError, sample
 
 GOOD = SamplingParams(max_tokens=5)
@@ -150,3 +150,86 @@ def test_chat_messages_are_checked_and_null_content_is_empty_text():
     ]:
         with pytest.raises(ValueError, match=where):
             chat_messages([{"role": "user", "content": content}])
+
+
+def test_a_failing_progress_bar_factory_leaves_nothing_queued(llm):
+    def factory(*a, **k):
+        raise RuntimeError("no bar")
+
+    with pytest.raises(RuntimeError, match="no bar"):
+        llm.generate([PROMPT], GOOD, use_tqdm=factory)
+    assert_idle(llm)
+
+
+def test_chat_refuses_a_string_and_text_refuses_lone_surrogates(llm):
+    with pytest.raises(TypeError, match="must be chat messages"):
+        llm.chat("hello")
+
+    class Tok:
+        chat_template = "{{ messages }}"
+
+        def encode(self, text, add_special_tokens=True):
+            return [1]
+
+    with pytest.raises(ValueError, match=r"prompt holds a lone UTF-16 surrogate at character 1"):
+        tokenize_prompt(Tok(), 10, "x\ud800")
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content holds a lone UTF-16 surrogate"):
+        tokenize_prompt(Tok(), 10, [{"role": "user", "content": "\udfff"}])
+
+
+def test_stop_lists_are_bounded_and_checked_in_one_pass():
+    from workbench.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    assert SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))).stop_token_ids[-1] == MAX_STOP_TOKEN_IDS - 1
+    with pytest.raises(ValueError, match=f"^stop_token_ids lists {MAX_STOP_TOKEN_IDS + 1} token ids"):
+        SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1))
+    with pytest.raises(ValueError, match=r"^stop_token_ids=-1 is out of range"):
+        SamplingParams(stop_token_ids=[3, -1])
+    with pytest.raises(ValueError, match=r"^stop_token_ids=True must be an integer"):
+        SamplingParams(stop_token_ids=[3, True])
+    with pytest.raises(ValueError, match=f"^stop lists {MAX_STOP_STRINGS + 1} strings"):
+        SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1))
+
+
+def test_a_multi_prompt_request_that_fails_cancels_its_other_prompts():
+    """One prompt's job raising (e.g. an id taken between the check and the queue) aborts the others:
+    nothing keeps running for a response nobody reads."""
+    import asyncio
+
+    from workbench.server.api_server import OpenAIServing
+
+    closed = []
+
+    class Engine:
+        class config:
+            scheduling_policy = "fcfs"
+
+    class FakeLLM:
+        engine = Engine()
+        tokenizer = None
+        max_model_len = 64
+
+        async def generate(self, prompt, sp, request_id, priority, tokenized):
+            try:
+                if request_id.endswith("-1"):
+                    raise ValueError("request_id 'x-1' is already running; use a unique id")
+                while True:
+                    await asyncio.sleep(0.01)
+                    yield None
+            finally:
+                closed.append(request_id)
+
+    class Http:
+        async def is_disconnected(self):
+            return False
+
+    serving = OpenAIServing(FakeLLM(), "m")
+    jobs = [("x-0", ([1], None), None, 0), ("x-1", ([1], None), None, 0)]
+
+    async def main():
+        with pytest.raises(ValueError, match="already running"):
+            await serving.run_all(Http(), jobs)
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert sorted(closed) == ["x-0", "x-1"]

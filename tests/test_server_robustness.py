@@ -93,7 +93,21 @@ PROBES = [
             {"prompt": "Hi", "max_tokens": 3, "temperature": 1.0, "min_tokens": 1, "stop_token_ids": list(range(49152))}
         ),
         400,
-        "min_tokens",
+        "stop_token_ids",
+    ),
+    (
+        "/v1/completions",
+        json.dumps({"prompt": [[0]] * 64, "max_tokens": 1, "stop_token_ids": [1] * 150_000}),
+        400,
+        "stop_token_ids",
+    ),
+    ("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1, "stop": ["x"] * 257}), 400, "stop"),
+    ("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1, "stop": ["x" * 1025]}), 400, "stop"),
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "ab " * 300_000, "content": "hi"}], "max_tokens": 2}),
+        400,
+        "messages",
     ),
     ("/v1/completions", "", 400, None),
     ("/v1/chat/completions", "", 400, None),
@@ -199,6 +213,15 @@ def test_tokenizing_a_long_prompt_does_not_block_a_concurrent_stream(server, htt
 
 
 # ----------------------------------------------------------------------------- the OpenAPI document, fuzzed
+def test_add_generation_prompt_reaches_the_chat_template(http):
+    msgs = [{"role": "user", "content": "Hi"}]
+    counts = [
+        http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": v}).json()["count"]
+        for v in (True, False)
+    ]
+    assert counts[0] > counts[1]
+
+
 def test_openapi_lists_the_statuses_and_content_types_the_server_sends(http):
     doc = http.get("/openapi.json").json()
     cmpl = doc["paths"]["/v1/completions"]["post"]["responses"]

@@ -126,9 +126,9 @@ class LLMEngine:
         return self.executor.model
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> tuple[list[int], str | None]:
         """Token ids and text of a prompt (:func:`workbench.inputs.tokenize_prompt`)."""
-        return tokenize_prompt(self.tokenizer, self.hf_config.vocab_size, prompt)
+        return tokenize_prompt(self.tokenizer, self.hf_config.vocab_size, prompt, add_generation_prompt)
 
     def add_request(
         self,

@@ -60,12 +60,16 @@ def check_token_ids(ids, vocab_size: int) -> list[int]:
     return [int(t) for t in ids]
 
 
-def tokenize_prompt(tokenizer, vocab_size: int, prompt: Prompt) -> tuple[list[int], str | None]:
-    """Token ids (and text, ``None`` for token ids) of a prompt; chat messages get the model's chat template.
+def tokenize_prompt(
+    tokenizer, vocab_size: int, prompt: Prompt, add_generation_prompt: bool = True
+) -> tuple[list[int], str | None]:
+    """Token ids (and text, ``None`` for token ids) of a prompt; chat messages get the model's chat template
+    (ending with the assistant's turn opened unless ``add_generation_prompt=False``).
 
     Raises:
-        ValueError: an empty prompt, text with no tokenizer available, a bad token id (see
-            :func:`check_token_ids`), or a dict with neither ``"prompt"`` nor ``"prompt_token_ids"``.
+        ValueError: an empty prompt, text with no tokenizer available, text that is not valid Unicode (a
+            lone surrogate), a bad token id (see :func:`check_token_ids`), or a dict with neither
+            ``"prompt"`` nor ``"prompt_token_ids"``.
         TypeError: a prompt of none of the :data:`Prompt` forms.
     """
     if isinstance(prompt, dict):
@@ -82,6 +86,7 @@ def tokenize_prompt(tokenizer, vocab_size: int, prompt: Prompt) -> tuple[list[in
             raise ValueError("prompt is empty; give at least one character or token id")
         if tokenizer is None:
             raise ValueError("this model folder has no tokenizer: pass prompts as token-id lists")
+        _check_unicode(prompt, "prompt")
         return tokenizer.encode(prompt, add_special_tokens=True), prompt
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(f"prompt {prompt!r} is not a prompt: give {_FORMS}")
@@ -89,12 +94,24 @@ def tokenize_prompt(tokenizer, vocab_size: int, prompt: Prompt) -> tuple[list[in
         messages = chat_messages(prompt)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat messages need a tokenizer with a chat template; pass a plain string")
+        for i, m in enumerate(messages):
+            _check_unicode(m["content"], f"messages[{i}].content")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # the template's own check (e.g. roles out of order): the caller's input
             raise ValueError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from None
         return tokenizer.encode(text, add_special_tokens=False), text
     return check_token_ids(prompt, vocab_size), None
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """Raise ``ValueError`` when ``text`` holds a lone UTF-16 surrogate (not text: no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where} holds a lone UTF-16 surrogate at character {e.start} ({text[e.start]!r}); send valid Unicode"
+        ) from None
 
 
 def chat_messages(messages) -> list[dict]:

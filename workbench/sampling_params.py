@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 #: temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)
 GREEDY_TEMPERATURE = 1e-5
+#: most ``stop_token_ids`` and ``stop`` strings a request may list, and the longest stop string (characters).
+#: vLLM has no such bounds; every step checks each of them for every sequence, so a long list sent once
+#: would slow every other request down (OpenAI's API allows 4 stop strings).
+MAX_STOP_TOKEN_IDS = 4096
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -111,16 +117,17 @@ class SamplingParams:
                 _integer(name, getattr(self, name), 0, MAX_LOGPROBS, hint=f"the cap max_logprobs={MAX_LOGPROBS}")
         if self.seed is not None:
             _integer("seed", self.seed, -(2**63), 2**64 - 1)
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids (integers >= 0)")
-        for t in self.stop_token_ids:
-            _integer("stop_token_ids", t, 0, hint="token ids")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is None:
             stop = []
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
-            raise ValueError(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings")
+            raise ValueError(f"stop={_short(self.stop)} must be a non-empty string or a list of non-empty strings")
+        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_CHARS for x in stop):
+            raise ValueError(
+                f"stop lists {len(stop)} strings of up to {max(map(len, stop))} characters; give at most "
+                f"{MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each"
+            )
         self.stop = list(stop)
         if self.output_kind is not None and not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind={self.output_kind!r} must be a RequestOutputKind or None")
@@ -130,6 +137,26 @@ class SamplingParams:
         """Argmax sampling: ``temperature`` below vLLM's ``_SAMPLING_EPS`` (1e-5), which would
         overflow the division of the logits."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _token_ids(ids) -> list[int]:
+    """``stop_token_ids`` as a list of ints >= 0 (at most :data:`MAX_STOP_TOKEN_IDS`); ``ValueError`` naming
+    the first bad one. Plain ints are checked in one pass (a request's list is checked once per prompt)."""
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids={_short(ids)} must be a list of token ids (integers >= 0)")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids lists {len(ids)} token ids; give at most {MAX_STOP_TOKEN_IDS}")
+    if all(type(t) is int for t in ids) and (not ids or min(ids) >= 0):
+        return list(ids)
+    for t in ids:
+        _integer("stop_token_ids", t, 0, hint="token ids")
+    return [int(t) for t in ids]
+
+
+def _short(value, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an error message quotes what it refuses, not all of it)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _integer(name: str, value, lo: int, hi: int | None = None, hint: str = "") -> None:

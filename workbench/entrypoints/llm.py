@@ -121,26 +121,21 @@ class LLM:
                 "true_output_lens (e.g. from a kv_allocator='paged' run), or use kv_allocator='orca-max'"
             )
         added = []
+        results: dict[str, RequestOutput] = {}
+        rec = eng.recorder
         try:
             for rid, p, sp, tok, pr, n in zip(ids, prompts, sps, tokenized, prios, lens):
                 eng.add_request(rid, p, sp, tokenized=tok, priority=pr, true_output_len=n)
                 added.append(rid)
-        except BaseException:  # refused: none of this call's requests stays queued
-            for rid in added:
-                eng.abort(rid)
-            raise
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
 
-            from workbench.entrypoints.progress import GenerateProgress, remaining_tokens
+                from workbench.entrypoints.progress import GenerateProgress, remaining_tokens
 
-            bar = GenerateProgress(
-                use_tqdm if callable(use_tqdm) else tqdm, len(ids), lambda: remaining_tokens(eng.scheduler)
-            )
-        results: dict[str, RequestOutput] = {}
-        rec = eng.recorder
-        try:
+                bar = GenerateProgress(
+                    use_tqdm if callable(use_tqdm) else tqdm, len(ids), lambda: remaining_tokens(eng.scheduler)
+                )
             while eng.has_unfinished_requests():
                 seen = len(rec.steps)
                 finished = eng.step()
@@ -148,8 +143,8 @@ class LLM:
                     results[o.request_id] = o
                 if bar is not None:
                     bar.update(finished, rec.steps[-1] if len(rec.steps) > seen else None)
-        except BaseException:  # (an interrupt, or an error no request can be blamed for) none stays queued
-            for rid in ids:
+        except BaseException:  # refused, interrupted, or an error no request can be blamed for: none stays queued
+            for rid in added:
                 eng.abort(rid)
             raise
         if bar is not None:
@@ -157,7 +152,15 @@ class LLM:
         return [results[i] for i in ids]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for one conversation or a list of them (chat template applied)."""
+        """Generate for one conversation or a list of them (chat template applied).
+
+        Raises:
+            TypeError: ``messages`` is not a list of ``{"role", "content"}`` dicts (or a list of such lists).
+        """
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, (dict, list, tuple)) for m in messages):
+            raise TypeError(
+                f"messages={messages!r:.80} must be chat messages [{{'role': ..., 'content': ...}}] or a list of them"
+            )
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm)

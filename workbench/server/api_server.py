@@ -18,7 +18,6 @@ are stopped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -70,7 +69,8 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        declared = b"" if b"transfer-encoding" in headers else headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             return await JSONResponse(APIError(self._message(), 413).body(), 413)(scope, receive, send)
         seen = 0
@@ -103,7 +103,12 @@ class OpenAIServing:
     def check_request(self, req) -> None:
         """Every string encodable (400 naming the field), the model name (404 when unknown), the
         priority and a caller's request id (400)."""
-        for name, v in req.model_dump().items():
+        for name in _TEXT_FIELDS:
+            v = getattr(req, name, None)
+            if name == "prompt" and isinstance(v, list) and not (v and isinstance(v[0], str)):
+                continue  # token ids (pydantic checked every one): no text to look at
+            if name == "messages" and v is not None:
+                v = [m.model_dump() for m in v]
             where = _unencodable(v, name)
             if where:
                 raise APIError(
@@ -130,7 +135,8 @@ class OpenAIServing:
                 "n",
             )
         if getattr(req, "model_extra", None):
-            log.warning("fields ignored (not part of the API): %s", sorted(req.model_extra))
+            names = sorted(k[:40] for k in req.model_extra)
+            log.warning("%d field(s) ignored (not part of the API): %s", len(names), ", ".join(names[:10]))
         if getattr(req, "stream_options", None) is not None and not req.stream:
             raise APIError("stream_options can only be given with stream=true", 400, "stream_options")
         rid = getattr(req, "request_id", None)
@@ -138,16 +144,20 @@ class OpenAIServing:
             raise APIError(f"request_id {rid!r} is already running; use a unique id", 400, "request_id")
 
     async def tokenize(
-        self, prompt, param: str, add_special_tokens: bool | None = None
+        self, prompt, param: str, add_special_tokens: bool | None = None, add_generation_prompt: bool = True
     ) -> tuple[list[int], str | None]:
         """Token ids and text of a prompt, computed on the tokenizer's thread (the event loop keeps serving);
         a text longer than :attr:`max_prompt_chars` is refused before it is tokenized.
-        ``add_special_tokens``: ``/tokenize``'s own choice for a text prompt (``None``: the engine's)."""
-        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt if isinstance(m, dict)]
+        ``add_special_tokens``: ``/tokenize``'s own choice for a text prompt (``None``: the engine's);
+        ``add_generation_prompt``: chat messages end with the assistant's turn opened (the template's)."""
+        if isinstance(prompt, str):
+            texts = [prompt]
+        else:  # chat messages: all that the template renders
+            texts = [v for m in prompt if isinstance(m, dict) for v in m.values()]
         chars = sum(len(t) for t in texts if isinstance(t, str))
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
             raise APIError(
-                f"the prompt has {chars} characters, more than max_model_len={self.llm.max_model_len} tokens can "
+                f"{param} has {chars} characters, more than max_model_len={self.llm.max_model_len} tokens can "
                 f"hold with this tokenizer (at most {self.max_prompt_chars}); shorten the prompt",
                 400,
                 param,
@@ -159,7 +169,7 @@ class OpenAIServing:
                 if eng.tokenizer is None:
                     raise ValueError("this model has no tokenizer: send token ids")
                 return eng.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt
-            return eng.tokenize(prompt)
+            return eng.tokenize(prompt, add_generation_prompt=add_generation_prompt)
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, work)
@@ -225,8 +235,7 @@ class OpenAIServing:
             self.llm.engine.check_samplable(sp)
             return sp
         except (ValueError, TypeError) as e:
-            m = re.match(r"\s*(\w+)\s*=", str(e))
-            raise APIError(str(e), 400, m.group(1) if m else None) from None
+            raise APIError(str(e), 400, _field_of(str(e), req)) from None
 
     # ------------------------------------------------------------------ running requests
     async def run_all(self, http: Request, jobs: list[tuple]) -> list[RequestOutput] | None:
@@ -239,17 +248,21 @@ class OpenAIServing:
                 final = out
             return final
 
-        task = asyncio.ensure_future(asyncio.gather(*(one(*j) for j in jobs)))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await http.is_disconnected():
-                task.cancel()  # each generate's exit aborts its request
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                log.info("client left before its response: %s aborted", ", ".join(j[0] for j in jobs))
-                return None
+        tasks = [asyncio.ensure_future(one(*j)) for j in jobs]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if not t.cancelled() and t.exception() is not None:
+                        raise t.exception()  # (the finally cancels the others: nothing runs on unread)
+                if not pending:
+                    return [t.result() for t in tasks]
+                if await http.is_disconnected():
+                    log.info("client left before its response: %s aborted", ", ".join(j[0] for j in jobs))
+                    return None
+        finally:
+            for t in tasks:
+                t.cancel()  # each generate's exit aborts its request
 
     async def stream_all(self, jobs: list[tuple]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of ``jobs`` as they come, tagged with the job's index; leaving early (a client
@@ -352,6 +365,16 @@ def _checked_messages(messages) -> list[dict]:
         raise APIError(str(e), 400, "messages") from None
 
 
+#: the request fields that can hold text (extra fields are ignored, so not looked at)
+_TEXT_FIELDS = ("model", "request_id", "user", "stop", "prompt", "messages", "suffix")
+
+
+def _field_of(message: str, req) -> str | None:
+    """The request field an error message begins with (``"temperature=..."``, ``"stop lists ..."``), or ``None``."""
+    m = re.match(r"\s*(\w+)", message)
+    return m.group(1) if m and m.group(1) in type(req).model_fields else None
+
+
 def _unencodable(value, path: str) -> str | None:
     """The path (``messages[0].content``) of the first string inside ``value`` (a request's fields, as
     ``model_dump`` gives them) that UTF-8 cannot encode: JSON's ``\\ud800`` escape gives a lone surrogate."""
@@ -437,7 +460,8 @@ def build_app(
 
     @app.exception_handler(ValueError)
     async def _value_error(request, exc: ValueError):  # the engine refused a request (checked before, in the main)
-        return JSONResponse(APIError(str(exc), 400).body(), status_code=400)
+        param = "request_id" if str(exc).startswith("request_id") else None
+        return JSONResponse(APIError(str(exc), 400, param).body(), status_code=400)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc):
@@ -447,7 +471,7 @@ def build_app(
         add_admin_routes(app, llm)
     else:  # say why there is nothing here, rather than a bare 404
 
-        @app.api_route("/admin/{rest:path}", methods=["GET", "POST"])
+        @app.api_route("/admin/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
         async def _admin_off(rest: str):
             msg = "the admin API is off: start workbench serve with --enable-admin-api to use /admin/" + rest
             return JSONResponse(APIError(msg, 404).body(), status_code=404)
@@ -492,7 +516,8 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' and 'messages'", 400, "prompt")
         if req.messages is not None:
-            ids, _ = await serving.tokenize(_checked_messages(req.messages), "messages")
+            msgs = _checked_messages(req.messages)
+            ids, _ = await serving.tokenize(msgs, "messages", add_generation_prompt=req.add_generation_prompt)
         else:
             ids, _ = await serving.tokenize(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
@@ -596,7 +621,8 @@ def build_app(
             raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(f"top_logprobs={req.top_logprobs} must be in [0, 20]", 400, "top_logprobs")
-        tok = await serving.tokenize(_checked_messages(req.messages), "messages")
+        msgs = _checked_messages(req.messages)
+        tok = await serving.tokenize(msgs, "messages", add_generation_prompt=req.add_generation_prompt)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         sp = serving.sampling_params(req, serving.max_tokens(len(tok[0]), limit, "messages"), logprobs, req.stream)
@@ -731,15 +757,12 @@ def _openapi(app: FastAPI, guarded: bool) -> dict:
                 kind = _OK_CONTENT[path]
                 ok.pop("content", None)
                 if kind:
-                    ok["content"] = {kind: {"schema": {"type": "string"}}}
+                    ok["content"] = {kind: {}}
             if path in ("/v1/completions", "/v1/chat/completions"):
-                ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                ok["content"]["text/event-stream"] = {}  # server-sent events: a stream of JSON chunks
             for status, why in _ERRORS.get(path, {}).items():
                 responses[str(status)] = {"description": why} | ({"content": ref} if path != "/health" else {})
-            if path.startswith("/admin/") and "{rest}" in path:
-                responses.pop("200", None)
-                responses["404"] = {"description": "the admin API is off (--enable-admin-api)", "content": ref}
-            elif path.startswith("/admin/"):
+            if path.startswith("/admin/"):
                 responses["400"] = {"description": "an invalid value", "content": ref}
             if guarded and path.startswith(("/v1", "/admin")):
                 responses["401"] = {"description": "a missing or wrong API key", "content": ref}
