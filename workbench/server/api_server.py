@@ -349,6 +349,38 @@ def _chat_messages(messages) -> list[dict]:
     return [{"role": m.role, "content": m.content} | ({"name": m.name} if m.name is not None else {}) for m in messages]
 
 
+def _choices_with_news(out: RequestOutput):
+    """The choices of a streamed output that carry text, tokens or a finish (the others send nothing)."""
+    return [c for c in out.outputs if c.text or c.token_ids or c.finish_reason is not None]
+
+
+def _finish(c) -> dict:
+    return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+async def _event_stream(serving: OpenAIServing, jobs: list[tuple], param: str, head: dict, n_prompt: int,
+                        usage: bool, chunks) -> AsyncIterator[str]:  # fmt: skip
+    """A streamed response's server-sent events, for completions and chat alike: ``chunks(i, out)`` gives
+    the chunks of job ``i``'s output ``out``; then the usage chunk (``stream_options.include_usage``), an
+    error event where the request failed, and ``data: [DONE]``."""
+    n_out = 0
+    try:
+        async for i, out in serving.stream_all(jobs):
+            if out.error:
+                yield _sse(_request_error(out, param).body())
+                continue
+            n_out += sum(len(c.token_ids) for c in out.outputs)
+            for obj in chunks(i, out):
+                yield _sse(obj)
+        if usage:
+            yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_out)})
+    except EngineDeadError as e:
+        yield _sse(APIError(str(e), 503).body())
+    except ValueError as e:  # refused by the engine after the stream began (rare: checked before)
+        yield _sse(APIError(str(e), 400).body())
+    yield "data: [DONE]\n\n"
+
+
 def _request_error(out: RequestOutput, param: str) -> APIError:
     """The error a request ended with: a prompt the engine refused (400 naming ``param``), or a failure
     while it ran that ended only it (500; :class:`~workbench.sampling.SamplingError`)."""
@@ -560,38 +592,18 @@ def build_app(
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            async def events():
-                n_out = 0
-                offsets: dict[int, int] = {}
-                try:
-                    async for i, out in serving.stream_all(jobs):
-                        if out.error:
-                            yield _sse(_request_error(out, "prompt").body())
-                            continue
-                        for c in out.outputs:  # one choice per chunk
-                            idx = i * n + c.index
-                            n_out += len(c.token_ids)
-                            if not c.text and not c.token_ids and c.finish_reason is None:
-                                continue
-                            lp = completion_logprobs(c, offsets.get(idx, 0))
-                            offsets[idx] = offsets.get(idx, 0) + len(c.text)
-                            choice = {
-                                "index": idx,
-                                "text": c.text,
-                                "logprobs": lp,
-                                "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason,
-                            }
-                            yield _sse({**head, "choices": [choice]})
-                    if usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_out)})
-                except EngineDeadError as e:
-                    yield _sse(APIError(str(e), 503).body())
-                except ValueError as e:  # refused by the engine after the stream began (rare: checked before)
-                    yield _sse(APIError(str(e), 400).body())
-                yield "data: [DONE]\n\n"
+            offsets: dict[int, int] = {}
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            def chunks(i: int, out: RequestOutput):
+                for c in _choices_with_news(out):  # one choice per chunk
+                    idx = i * n + c.index
+                    lp = completion_logprobs(c, offsets.get(idx, 0))
+                    offsets[idx] = offsets.get(idx, 0) + len(c.text)
+                    choice = {"index": idx, "text": c.text, "logprobs": lp}
+                    yield {**head, "choices": [choice | _finish(c)]}
+
+            events = _event_stream(serving, jobs, "prompt", head, n_prompt, usage, chunks)
+            return StreamingResponse(events, media_type="text/event-stream")
         outs = await serving.run_all(http, jobs)
         if outs is None:
             return Response(status_code=499)  # (nginx's "client closed request"; nobody reads it)
@@ -635,47 +647,21 @@ def build_app(
             usage = bool(req.stream_options and req.stream_options.include_usage)
             chunk = {**head, "object": "chat.completion.chunk"}
 
-            async def events():
-                n_out = 0
-                started = False
-                try:
-                    async for _, out in serving.stream_all(jobs):
-                        if out.error:
-                            yield _sse(_request_error(out, "messages").body())
-                            continue
-                        if not started:  # the role first, for every choice (as vLLM)
-                            started = True
-                            for i in range(req.n):
-                                first = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                                yield _sse(
-                                    {
-                                        **chunk,
-                                        "choices": [
-                                            {**first, "logprobs": None, "finish_reason": None, "stop_reason": None}
-                                        ],
-                                    }
-                                )
-                        for c in out.outputs:  # one choice per chunk
-                            n_out += len(c.token_ids)
-                            if not c.text and not c.token_ids and c.finish_reason is None:
-                                continue
-                            choice = {
-                                "index": c.index,
-                                "delta": {"content": c.text} if c.text else {},
-                                "logprobs": chat_logprobs(c, top),
-                                "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason,
-                            }
-                            yield _sse({**chunk, "choices": [choice]})
-                    if usage:
-                        yield _sse({**chunk, "choices": [], "usage": _usage(n_prompt, n_out)})
-                except EngineDeadError as e:
-                    yield _sse(APIError(str(e), 503).body())
-                except ValueError as e:  # refused by the engine after the stream began (rare: checked before)
-                    yield _sse(APIError(str(e), 400).body())
-                yield "data: [DONE]\n\n"
+            started: list[bool] = []
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            def chunks(i: int, out: RequestOutput):
+                if not started:  # the role first, for every choice (as vLLM)
+                    started.append(True)
+                    for k in range(req.n):
+                        first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                        yield {**chunk, "choices": [first | {"finish_reason": None, "stop_reason": None}]}
+                for c in _choices_with_news(out):  # one choice per chunk
+                    delta = {"content": c.text} if c.text else {}
+                    choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top)}
+                    yield {**chunk, "choices": [choice | _finish(c)]}
+
+            events = _event_stream(serving, jobs, "messages", chunk, n_prompt, usage, chunks)
+            return StreamingResponse(events, media_type="text/event-stream")
         outs = await serving.run_all(http, jobs)
         if outs is None:
             return Response(status_code=499)
