@@ -1,4 +1,4 @@
-"""``AsyncLLM`` (issue 16): the engine on a background thread behind ``async generate``, as vLLM's."""
+"""``AsyncLLM``: the engine on a background thread behind ``async generate``, as vLLM's."""
 
 from __future__ import annotations
 

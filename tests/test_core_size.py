@@ -1,4 +1,4 @@
-"""The engine core stays small enough to read (issue 15): at most 3,000 lines, docstrings included,
+"""The engine core stays small enough to read: at most 3,000 lines, docstrings included,
 and no function over 80 lines. Accounting lives in ``workbench/metrics/``, the simulator in
 ``workbench/sim/``, tensor parallelism in ``workbench/executor/tensor_parallel.py``: not core. Nor are the
 adapters to the optional kernels of ``workbench/kernels/`` (Triton, the C++ CPU decode kernel): the core's

@@ -88,7 +88,7 @@ def test_triton_engine_half_precision_logprobs_near_float32(tiny_model, dtype):
 
 
 def test_memory_budget_on_a_real_gpu(tiny_model):
-    """The budget's figures (ARCHITECTURE §3) against the device: capacity is the device's total, the pool
+    """The budget's figures (docs/architecture.md §3) against the device: capacity is the device's total, the pool
     fills what is left to within one block, the pool really allocated is the pool planned, and under a
     full-budget load PyTorch never holds more than weights + profiled activation peak + pool."""
     util = 0.1

@@ -1,4 +1,4 @@
-"""The figure conventions of ``workbench.viz.common`` (issue 20) and the figures that follow them:
+"""The figure conventions of ``workbench.viz.common`` and the figures that follow them:
 integer ticks for counts, percentage axes with a stated range, legends clear of right-hand axes,
 colour scales chosen for the data, the five memory categories in one colour order."""
 

@@ -18,7 +18,7 @@ from workbench.memory import kv_bytes_per_token
 
 
 def formula(layers, kv_heads, head_dim, elem):
-    """ARCHITECTURE §3, written out independently: 2 (K and V) x layers x KV heads x head_dim x bytes."""
+    """docs/architecture.md §3, written out independently: 2 (K and V) x layers x KV heads x head_dim x bytes."""
     return 2 * layers * kv_heads * head_dim * elem
 
 

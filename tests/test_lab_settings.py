@@ -1,7 +1,7 @@
 """JupyterLab's settings overrides (binder/overrides.json): no "Would you like to get notified about
 Jupyter news?" prompt on a fresh start. The Makefile's venv target and binder/postBuild install them
 with binder/install-lab-settings into <prefix>/share/jupyter/lab/settings/overrides.json, where
-JupyterLab reads its defaults (issue 20)."""
+JupyterLab reads its defaults."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Layers point down, and no module imports itself back (ARCHITECTURE §2).
+"""Layers point down, and no module imports itself back (docs/architecture.md §2).
 
 Every module under ``workbench/`` (the Triton kernels of ``workbench/kernels/`` included)
 load) is parsed with :mod:`ast`; every ``import`` / ``from ... import``, at module level and inside

@@ -1,4 +1,4 @@
-"""Issue 3's truth tests: the waste breakdown, contiguous baselines, batching policies, the memory budget."""
+"""Truth tests: the waste breakdown, contiguous baselines, batching policies, the memory budget."""
 
 from __future__ import annotations
 

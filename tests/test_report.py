@@ -430,7 +430,7 @@ def test_write_report(tmp_path, steps, requests):
     assert "<i>zz-evil-zz" not in doc
     assert "&lt;i&gt;zz-evil-zz&lt;/i&gt;" in doc
     assert "max_batch" in doc
-    # the memory budget comes first, under ARCHITECTURE's names, with bytes and MiB
+    # the memory budget comes first, under docs/architecture.md §3's names, with bytes and MiB
     budget = doc.index("<h2>Memory budget</h2>")
     assert budget < doc.index("<caption>summary</caption>") < doc.index("KV cache memory over time")
     section = doc[budget : doc.index("</section>", budget)]

@@ -1,4 +1,4 @@
-"""SamplingParams and the Python API at parity with vLLM (issue 16): validation, penalties,
+"""SamplingParams and the Python API at parity with vLLM: validation, penalties,
 min_tokens, logprobs / prompt_logprobs, prompt forms, request-id safety, tiny top_p, large seeds."""
 
 from __future__ import annotations

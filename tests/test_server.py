@@ -1,4 +1,4 @@
-"""``workbench serve`` through the official ``openai`` client, on loopback (issue 16).
+"""``workbench serve`` through the official ``openai`` client, on loopback.
 
 One server process (the bundled model, ``max_model_len=512``) serves every test here; its greedy
 outputs are compared with the offline ``LLM`` of the same engine arguments, one request at a time

@@ -1,4 +1,4 @@
-"""A bounded soak of ``workbench serve`` on loopback (issue 16): 1,000 requests at concurrency 32,
+"""A bounded soak of ``workbench serve`` on loopback: 1,000 requests at concurrency 32,
 with clients that disconnect mid-stream and invalid requests mixed in (seeded).
 
 Checked: no 5xx; every valid request completed (or was aborted by its own client); every invalid

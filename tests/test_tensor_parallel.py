@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 7): Megatron layers and sharding, the worker processes over gloo,
+"""Tensor parallelism: Megatron layers and sharding, the worker processes over gloo,
 their failure behaviour, the per-step communication figures and the NCCL buffer model.
 
 CPU tests run real worker processes (spawn, gloo). CUDA tests (the NCCL path) are skipped

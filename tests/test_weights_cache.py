@@ -1,6 +1,6 @@
 """The converted-weights cache is keyed by content (sha256), not by path or modification time: every
 checkout and copy of the same weights reuses one conversion; the hash is memoized by (path, size,
-mtime_ns) in a small JSON file in the cache folder (issue 20)."""
+mtime_ns) in a small JSON file in the cache folder."""
 
 from __future__ import annotations
 

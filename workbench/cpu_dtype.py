@@ -72,7 +72,9 @@ def auto_dtype(device: torch.device | str = "cpu") -> tuple[torch.dtype, str]:
     """What ``dtype="auto"`` means on ``device``, and why (the sentence the engine logs at start-up).
 
     CPU: bfloat16 where the CPU has native bfloat16 (:func:`cpu_native_bfloat16`: its matmuls run
-    several times faster than float32 ones (``docs/benchmarks.md``: 3.0x at the bundled model's shapes here) and its KV cache takes half the bytes), else float32, as vLLM's CPU backend.
+    several times faster than float32 ones and its KV cache takes half the bytes; see docs/benchmarks.md, section
+    "CPU speed: bfloat16 where the CPU has it, and the distance to the machine's limit"), else float32, as vLLM's
+    CPU backend.
     Other devices: float32 (the engine's reference precision; pass ``dtype="bfloat16"`` or ``"float16"``)."""
     if torch.device(device).type != "cpu":
         return torch.float32, f"dtype auto -> float32 on {torch.device(device).type} (pass --dtype to change it)"

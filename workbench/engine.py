@@ -1,7 +1,7 @@
 """``LLMEngine`` (add_request / step / abort), in vLLM's shape: a scheduler, a KV manager and an
 executor, on a clock. The offline ``LLM`` over it is in :mod:`workbench.entrypoints.llm`.
 
-Each step (ARCHITECTURE §1): the scheduler picks requests and token counts, the executor runs
+Each step (docs/architecture.md §1): the scheduler picks requests and token counts, the executor runs
 them (``execute_step``: block copies, forward, sampling) and the scheduler advances them; the
 step's record (:class:`~workbench.metrics.StepStats`) gets the KV pool's split from
 :class:`~workbench.metrics.accounting.PoolAccounting`. The executor and the clock are the seams:

@@ -1,7 +1,7 @@
 """KV-cache and weight sizes of a model from its architecture alone (the calculator of ``workbench kv-calc``;
 its command and printer live in :mod:`workbench.kvcalc_cli`).
 
-Formulas (ARCHITECTURE §3; vLLM paper, Kwon et al., SOSP 2023, §3):
+Formulas (docs/architecture.md §3; vLLM paper, Kwon et al., SOSP 2023, §3):
 
     KV bytes per token (per GPU) = 2 (K and V) × num_hidden_layers × kv_heads_per_rank × head_dim
                                    × bytes of kv_cache_dtype,   kv_heads_per_rank = max(1, num_kv_heads // tp)

@@ -1,4 +1,4 @@
-"""The memory budget: how many KV blocks the device can hold (ARCHITECTURE §3).
+"""The memory budget: how many KV blocks the device can hold (docs/architecture.md §3).
 
     KV budget = capacity × gpu_memory_utilization − weights − activation peak − communication buffers
                 − memory outside PyTorch − other PyTorch tensors            (the last two: CUDA only)
@@ -20,10 +20,10 @@ no allocator statistics, by :class:`LiveTensorBytes`, which follows every tensor
 creates and frees (a ``TorchDispatchMode``). On CUDA, memory used outside PyTorch (the CUDA
 context, NCCL, other processes; the device's used − PyTorch's reserved) is subtracted too, and so
 is what PyTorch already held in this process before the profile besides the weights (other
-tensors, another engine, cuBLAS's workspace once a matmul has run: 32 MiB on an H200 with torch
-2.11, measured by ``tests/test_cuda.py``), as vLLM's profiler starts from a baseline snapshot. Communication buffers
-are 0 on one device; under tensor parallelism they are measured on CUDA and modelled elsewhere
-(:mod:`workbench.executor.tensor_parallel`, :func:`workbench.comm.nccl_buffer_bytes`), and every
+tensors, another engine, cuBLAS's workspace once a matmul has run, as ``tests/test_cuda.py`` shows; see
+docs/benchmarks.md, section "The memory budget on a real GPU"), as vLLM's profiler starts from a baseline
+snapshot. Communication buffers are 0 on one device; under tensor parallelism they are measured on CUDA and
+modelled elsewhere (:mod:`workbench.executor.tensor_parallel`, :func:`workbench.comm.nccl_buffer_bytes`), and every
 figure is one rank's (its shard of the weights, its KV heads).
 
 ``kv_cache_memory_bytes`` and ``num_gpu_blocks_override`` bypass the profile, as in vLLM.

@@ -5,13 +5,13 @@ The CPU build of torch runs its intra-op work (matmuls through oneDNN and MKL, e
 that has nothing to do spins for ``GOMP_SPINCOUNT`` iterations (300,000 by default, about a millisecond) before it
 sleeps, so that the next region starts without a wake-up. On an idle machine that is the right trade. On a shared
 one it is not: a thread spins on a core while the partner it waits for is descheduled, the spinning takes the core
-from the partner or from the other process, and every region waits longer. Beside two busy processes on two cores,
-``make run``'s job took 4 to 5 times its idle time and burned twice its idle CPU time.
+from the partner or from the other process, and every region waits longer. Beside busy processes on
+the same cores, a job with OpenMP's default spin takes several times its idle time and burns more CPU time.
 
 A short spin keeps the idle speed (the gaps between a step's regions are a few microseconds to tens of
 microseconds) and, beside other work, sleeps before it wastes the core: :data:`OMP_SPIN_COUNT` iterations.
-``OMP_WAIT_POLICY=PASSIVE`` (no spin at all) wastes nothing but costs the idle job about 15%: every region then
-starts with a wake-up. The measurements are in docs/benchmarks.md ("The engine beside other work").
+``OMP_WAIT_POLICY=PASSIVE`` (no spin at all) wastes nothing but slows the idle job: every region then
+starts with a wake-up. See docs/benchmarks.md, section "The engine beside other work".
 
 GNU OpenMP reads these variables once, when the library loads, that is when torch is first imported: so
 ``workbench`` sets the default at import, before it imports torch, and only where the user set neither

@@ -14,7 +14,7 @@ scheduling, so a request unblocked by a pass is admitted in the next step):
 
 ==================  ==============================================================================================
 ``none``            never (the default); :meth:`Defragmenter.compact` (``LLMEngine.compact``) runs a pass on demand
-``fragmentation``   the fragmentation rate (ARCHITECTURE §3: (reservation + internal + external) / occupied, as
+``fragmentation``   the fragmentation rate (docs/architecture.md §3: (reservation + internal + external) / occupied, as
                     :mod:`workbench.metrics.accounting` computes it after the previous step) exceeds the threshold
                     (default 0.5). Compaction can only remove the *external* part, so this fires on waste it
                     cannot reduce; a pass with nothing to move costs nothing.

@@ -1,6 +1,6 @@
 """One process, one device: the executor that loads the model and runs each step's schedule.
 
-An executor is what :class:`~workbench.engine.LLMEngine` drives each step (ARCHITECTURE §5):
+An executor is what :class:`~workbench.engine.LLMEngine` drives each step (docs/architecture.md §5):
 ``execute_step(scheduler_output, kv)`` makes the step's block copies, runs the model and samples, and returns a
 :class:`ModelRunnerOutput`. :class:`LocalExecutor` does this in this process;
 :class:`~workbench.executor.tensor_parallel.TensorParallelExecutor` over worker processes (both share

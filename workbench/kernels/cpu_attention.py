@@ -1,13 +1,15 @@
 """Paged decode attention on the CPU, in C++ (``cpu_paged_attention.cpp``), beside its PyTorch reference.
 
 The reference backend gathers each decode sequence's blocks into a padded tensor and calls SDPA; for one query token
-per sequence most of that time is the copy and a kernel shaped for long queries (``docs/benchmarks.md``, issue 17).
-This kernel reads every K/V row where it lies in the cache, as vLLM's CPU ``paged_attention_v1`` does, accumulating
-in float32; in bfloat16 with head_dim 64 or 128 on AVX512-BF16 it takes 16 positions per step with the dot-product
-instruction (q·k, then p·V with p rounded to bfloat16, as SDPA's bfloat16 kernel does), and ``rowwise=True`` keeps the
-earlier kernel (one dot product per position and head), the benchmarks' same-run baseline. Its reference is :func:`workbench.kernels.reference.paged_decode_attention_ref`. Where the CPU has
-AVX512-BF16, :func:`paged_attention` does the same for query chunks of any length in bfloat16 (prefill, chunked
-prefill over cached context, decode), with an online softmax; its reference is ``paged_prefill_attention_ref``.
+per sequence most of that time is the copy and a kernel shaped for long queries (see docs/benchmarks.md, section
+"Decode attention in C++"). This kernel reads every K/V row where it lies in the cache, as vLLM's CPU
+``paged_attention_v1`` does, accumulating in float32; in bfloat16 with head_dim 64 or 128 on AVX512-BF16 it takes 16
+positions per step with the dot-product instruction (q·k, then p·V with p rounded to bfloat16, as SDPA's bfloat16
+kernel does), and ``rowwise=True`` takes the row-wise kernel (one dot product per position and head), the
+benchmarks' same-run baseline. Its reference is :func:`workbench.kernels.reference.paged_decode_attention_ref`.
+Where the CPU has AVX512-BF16, :func:`paged_attention` does the same for query chunks of any length in bfloat16
+(prefill, chunked prefill over cached context, decode), with an online softmax; its reference is
+``paged_prefill_attention_ref``.
 
 The source is compiled on first use with :func:`torch.utils.cpp_extension.load` (g++ and ninja; about a minute) for
 this CPU (``-march=native``), and cached under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR``) by a name that
@@ -117,7 +119,7 @@ def paged_decode_attention(
         block_tables: ``[num_seqs, max_blocks]`` int64.
         context_lens: ``[num_seqs]`` int64 tokens, the query's own included (its K/V already written).
         scale: softmax scale, usually ``head_dim ** -0.5``.
-        rowwise: the earlier kernel, one dot product per position and head (a baseline for benchmarks).
+        rowwise: the row-wise kernel, one dot product per position and head (a baseline for benchmarks).
 
     Raises:
         ValueError: a length is below 1 or beyond its block table, or a block id the sequence reads is outside the

@@ -225,9 +225,8 @@ def use_split_kv(
     """The variant choice: split-KV when contexts span at least :data:`SPLIT_KV_MIN_PARTITIONS` partitions
     and the single-pass grid (``num_seqs * num_kv_heads`` programs) would leave most SMs idle (fewer than
     two programs per SM). vLLM's rule is similar (v1 when one partition, or when ``num_seqs * num_heads >
-    512``). The partition threshold is measured (``benchmarks/bench_kernels.py`` on an H200, 2026-12-04,
-    docs/benchmarks.md): at 2,048 tokens (4 partitions) split-KV was slower in 8 of 9 batch x block-size
-    rows, from 8,192 (16) it won or tied in every row that passed the SM test."""
+    512``). The partition threshold comes from timing both variants on a GPU (``benchmarks/bench_kernels.py``;
+    see docs/benchmarks.md, section "Triton kernels: decode bandwidth and prefill TFLOP/s")."""
     return max_context_len >= SPLIT_KV_MIN_PARTITIONS * partition_size and num_seqs * num_kv_heads < 2 * _num_sms(
         device
     )

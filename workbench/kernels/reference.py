@@ -5,7 +5,7 @@ context lengths as tensors) and are written for clarity, one sequence at a time;
 gather is :func:`workbench.attention.torch_ref.gather_kv`, the engine's own reference path.
 Attention is computed in float32 and returned in the query's dtype. No Triton needed.
 
-Layout (as in the engine, ARCHITECTURE §2): the cache of one layer is K and V, each
+Layout (as in the engine, docs/architecture.md §2): the cache of one layer is K and V, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``p`` of a sequence lives in block
 ``block_table[p // block_size]``, row ``p % block_size`` (Kwon et al., SOSP 2023, §4.1).
 """

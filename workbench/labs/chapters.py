@@ -211,7 +211,7 @@ class FragmentationProbe:
 def gpu_probe() -> list[str]:
     """PyTorch allocator and NVML figures of GPU 0, when there is one; otherwise one line saying so.
 
-    Allocator fragmentation (ARCHITECTURE §3) = reserved − allocated bytes of PyTorch's caching
+    Allocator fragmentation (docs/architecture.md §3) = reserved − allocated bytes of PyTorch's caching
     allocator; outside PyTorch = NVML used − reserved.
     """
     import torch

@@ -44,7 +44,7 @@ __all__ = ["Exercise", "ExerciseBroken", "EXERCISES", "Verdict", "check", "solut
     "1.1",
     "How many bytes of KV cache does one token take in Llama-2-13B with a float16 cache "
     "(40 layers, 40 KV heads, head_dim 128)? Give bytes, for the whole model on one GPU.",
-    "2 (K and V) x layers x KV heads x head_dim x bytes per element (ARCHITECTURE §3).",
+    "2 (K and V) x layers x KV heads x head_dim x bytes per element (docs/architecture.md §3).",
 )
 class _KVBytes13B:
     @staticmethod
@@ -145,7 +145,7 @@ class _MaxSeqs:
 
 # ---------------------------------------------------------------- chapter 2: fragmentation
 def reference_fragmentation_rate(step: dict) -> float:
-    """(reservation + internal + external) / (pool − free), 0 when nothing is occupied (ARCHITECTURE §3)."""
+    """(reservation + internal + external) / (pool − free), 0 when nothing is occupied (docs/architecture.md §3)."""
     used = step["num_blocks"] * step["block_size"] - step["free"]
     if used <= 0:
         return 0.0

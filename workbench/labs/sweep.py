@@ -15,7 +15,7 @@ engine's own records:
 * ``kv_utilization`` — mean over steps of token states / KV pool (each step's ``kv_utilization``);
 * ``preemptions`` — sum of the steps' ``num_preemptions``;
 * ``fragmentation_rate`` — mean over steps of each step's ``fragmentation_rate`` (the share of
-  occupied KV memory holding no token state, ARCHITECTURE §3);
+  occupied KV memory holding no token state, docs/architecture.md §3);
 
 and, for the chapter's tables: ``pool_blocks`` (the memory budget's blocks), ``pool_tokens``,
 ``peak_running`` (most requests running after a step: the batch size the pool allowed),

@@ -1,4 +1,4 @@
-"""Where the KV pool went: the five-way split of ARCHITECTURE §3, its settling, block maps.
+"""Where the KV pool went: the five-way split of docs/architecture.md §3, its settling, block maps.
 
 Computed here, from what the :class:`~workbench.kv.interface.KVManager` interface exposes
 (block tables, block size, free blocks, free runs, a waiting request's consecutive need,
@@ -32,7 +32,7 @@ from workbench.kv.interface import KVManager
 
 @dataclass
 class KVUsage:
-    """The pool split of ARCHITECTURE §3, in token slots (multiply by KV bytes per token for bytes).
+    """The pool split of docs/architecture.md §3, in token slots (multiply by KV bytes per token for bytes).
 
     ``token_states + reservation + internal_fragmentation + external_fragmentation + free == pool``.
     """
@@ -262,7 +262,7 @@ class PoolAccounting:
     def settle(self, request_id: str) -> None:
         """The request released its blocks: now that it is known how many slots it wrote, move the
         slots it held but never wrote from reservation to internal fragmentation in every step it
-        held them (ARCHITECTURE §3)."""
+        held them (docs/architecture.md §3)."""
         req, bound, groups, last_written = self.holding.pop(request_id)
         # a recompute preemption resets num_computed_tokens: it then wrote what the last step saw
         final = req.num_computed_tokens if req.num_computed_tokens >= last_written else last_written

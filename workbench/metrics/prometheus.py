@@ -47,7 +47,7 @@ allocated slots a request will still write is known only when it releases them, 
 split between ``reservation`` and ``internal_fragmentation`` is provisional
 (:class:`~workbench.metrics.accounting.PoolAccounting` settles it afterwards in the Recorder's
 steps and in ``steps.jsonl``; a gauge already scraped is not revised). The five states always sum
-to the pool (ARCHITECTURE §3).
+to the pool (docs/architecture.md §3).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 #: ``finished_reason`` values: vLLM's three, then ours (a request the engine refused).
 FINISH_REASONS = ("stop", "length", "abort", "error")
-#: The five-way split of the KV pool (ARCHITECTURE §3), the ``state`` label values.
+#: The five-way split of the KV pool (docs/architecture.md §3), the ``state`` label values.
 POOL_STATES = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "free")
 #: Collectives counted in :class:`~workbench.metrics.StepStats`, the ``op`` label values.
 COLLECTIVES = ("allreduce", "allgather", "broadcast")
@@ -255,7 +255,8 @@ class PrometheusSink:
         )
 
     def _declare_pool_metrics(self) -> None:
-        """This project's figures: the KV pool split (ARCHITECTURE §3), blocks, swap, collectives, static sizes."""
+        """This project's figures: the KV pool split (docs/architecture.md §3), blocks, swap, collectives, static
+        sizes."""
         gauge, counter, by = self._gauge, self._counter, self._by
         live = (
             " Live figure at the last step: the reservation / internal fragmentation split is provisional "

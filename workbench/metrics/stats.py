@@ -1,4 +1,4 @@
-"""One record per engine step (ARCHITECTURE §4) and one per finished request.
+"""One record per engine step (docs/architecture.md §4) and one per finished request.
 
 Latency definitions follow vLLM's benchmarks (benchmarks/benchmark_serving.py):
 TTFT = first token time - arrival; TPOT = (e2e - TTFT) / (output tokens - 1);
@@ -32,7 +32,7 @@ class StepStats:
 
     Times in seconds (``time_s`` since the engine started; ``model_time_s`` covers input
     preparation and the forward; recording happens after ``wall_time_s`` is taken); memory figures in token
-    slots (multiply by ``kv_bytes_per_token`` for bytes); see ARCHITECTURE §3.
+    slots (multiply by ``kv_bytes_per_token`` for bytes); see docs/architecture.md §3.
     ``token_states + reservation + internal_fragmentation + external_fragmentation + free
     == num_blocks * block_size``.
     """

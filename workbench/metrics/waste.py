@@ -1,6 +1,6 @@
 """Where a run's KV pool went, on average: the waste breakdown of one run.
 
-Definitions follow ARCHITECTURE §3 and the vLLM paper (Kwon et al., *Efficient Memory
+Definitions follow docs/architecture.md §3 and the vLLM paper (Kwon et al., *Efficient Memory
 Management for Large Language Model Serving with PagedAttention*, SOSP 2023, §2.3 and
 Fig. 2). Every step record splits the KV pool (``num_blocks * block_size`` token slots) into
 five categories that sum to the pool: token states, reservation, internal fragmentation,
@@ -43,7 +43,7 @@ def _mean(total: float, n: int) -> float:
 
 
 def waste_breakdown(steps: Iterable[Any]) -> dict[str, Any]:
-    """Per-run means of the KV-pool split of ARCHITECTURE §3, each step weighted equally.
+    """Per-run means of the KV-pool split of docs/architecture.md §3, each step weighted equally.
 
     Args:
         steps: step records of one run -- ``StepStats`` objects or their ``to_dict()`` dicts
@@ -100,7 +100,7 @@ def waste_breakdown(steps: Iterable[Any]) -> dict[str, Any]:
         if total != pool:
             raise ValueError(
                 f"step {step_id}: the five KV categories sum to {total} slots, not the pool "
-                f"num_blocks * block_size = {pool} (ARCHITECTURE §3); the step record is inconsistent"
+                f"num_blocks * block_size = {pool} (docs/architecture.md §3); the step record is inconsistent"
             )
         bpt = float(_get(s, "kv_bytes_per_token"))
         n += 1

@@ -4,8 +4,9 @@ On a CPU, PyTorch runs a bfloat16 ``F.linear`` through oneDNN, which first reord
 its blocked layout for the CPU's bfloat16 instructions (AVX512-BF16 or AMX tiles) — on every call. Reordering once,
 when the model is built, and calling oneDNN with the packed weight (``torch.ops.mkldnn._reorder_linear_weight`` and
 ``_linear_pointwise``, what ``torch.compile``'s CPU backend emits with weight freezing, and what Intel's extension
-for PyTorch and vLLM's CPU backend do) skips that work: the same products, bit for bit, 5-50% sooner at the
-model's shapes on the development machine (the larger gains at decode's small batches).
+for PyTorch and vLLM's CPU backend do) skips that work: the same products, bit for bit, sooner (most at decode's
+small batches; see docs/benchmarks.md, section "CPU speed: bfloat16 where the CPU has it, and the distance to the
+machine's limit").
 
 Only bfloat16 on CPU: float32 matmuls go through MKL's ``sgemm`` (no reorder to save, and the float32 reference
 must stay bit-identical to transformers). The packed weight replaces the dense one, whose parameter is left on the
@@ -66,9 +67,10 @@ def prepack_linears(model: nn.Module, pack_head: bool = True) -> int:
     goes to ``meta`` too; a tied one is the embedding's, which lookups read, so the packed one is a copy (the model's
     ``packed_head_copy_bytes``, which ``weight_bytes`` counts). Returns how many weights were packed.
 
-    The LM head is the step's largest product (``[sampling rows, hidden] x [hidden, vocab]``); packed, it ran
-    1.24x sooner at 64 rows on the development machine (``benchmarks/offline_throughput.py``'s matmul part,
-    ``docs/benchmarks.md``, stop 31)."""
+    The LM head is the step's largest product (``[sampling rows, hidden] x [hidden, vocab]``); it is packed
+    because the packed product is faster at the shapes a step samples (``benchmarks/offline_throughput.py``'s
+    matmul part; see docs/benchmarks.md, section "The LM head packed, the chunk kernel 32 positions per step, and
+    every system in one run again")."""
     n = 0
     for m in model.modules():
         if hasattr(m, "packed_weight") and m.packed_weight is None:

@@ -11,11 +11,11 @@ Sources (nothing is ever downloaded from a model hub):
 * a ``.safetensors`` file with ``config.json`` beside it;
 * a ``.gguf`` file (transformers de-quantizes it; needs ``gguf``).
 
-A GGUF file or a ``.bin`` checkpoint is converted once by transformers (about 15 s for
-the bundled model) and cached as an HF folder with ``model.safetensors`` under
+A GGUF file or a ``.bin`` checkpoint is converted once by transformers (the slow part of a
+first start) and cached as an HF folder with ``model.safetensors`` under
 ``<cache_dir>/models/<stem>-<sha256 prefix of the content>`` (:func:`converted_folder`), so
 every checkout of the same weights shares one conversion; later starts read that cache
-(about a second; the content hash is memoized by path, size and modification time).
+(quickly: the content hash is memoized by path, size and modification time).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ token included) and ``S`` sequences sampling::
   of ``n`` tokens after ``s`` cached ones has ``n · s + n (n + 1) / 2`` pairs.
 * Bytes: the rank's weights ``W`` are read once per step (every token of the batch shares
   them); each decode token reads its whole context's K/V (``b_kv`` = KV bytes per token per
-  rank, ARCHITECTURE §3), a prefill chunk reads its context once (a FlashAttention-style
+  rank, docs/architecture.md §3), a prefill chunk reads its context once (a FlashAttention-style
   kernel keeps the query tile on chip); every new token's K/V is written once.
 * Roofline (Williams, Waterman, Patterson, CACM 2009): a step is bound by the slower of compute
   and memory traffic; ``e_compute`` and ``e_memory`` are the fractions of peak a real forward

@@ -1,4 +1,4 @@
-"""The memory budget of a run: where the device memory goes (ARCHITECTURE §3 and ``workbench/memory.py``),
+"""The memory budget of a run: where the device memory goes (docs/architecture.md §3 and ``workbench/memory.py``),
 as rows, a stacked bar and the run report's "Memory budget" section.
 
 The input is a memory budget as the run records it (``MemoryBudget.to_dict()``, the ``memory`` of a
@@ -151,7 +151,7 @@ def budget_section_html(memory: Mapping[str, Any] | None) -> str:
     return (
         '<section class="budget"><h2>Memory budget</h2>\n'
         "<p>capacity &times; gpu_memory_utilization &minus; weights &minus; activations &minus; buffers "
-        "&rarr; KV blocks (ARCHITECTURE &sect;3); the KV pool is whole blocks of block_size tokens.</p>\n"
+        "&rarr; KV blocks (docs/architecture.md &sect;3); the KV pool is whole blocks of block_size tokens.</p>\n"
         '<table class="budget"><thead><tr><th>figure</th><th>value</th><th>MiB</th><th>share of capacity</th>'
         f"</tr></thead>\n<tbody>\n{body}\n</tbody></table></section>"
     )

@@ -110,7 +110,7 @@ def _no_data_figure(title: str) -> go.Figure:
 
 
 # --------------------------------------------------------------------------- #
-# conventions every figure follows (issue 20): units in titles, integer axes for counts,
+# conventions every figure follows: units in titles, integer axes for counts,
 # percentage axes with a stated range, legends clear of the axes, one colour per category
 # --------------------------------------------------------------------------- #
 

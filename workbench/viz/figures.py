@@ -16,7 +16,7 @@ Inputs are plain data, so nothing here imports the engine:
        "filled": [int, ...],     # per block: slots holding token states (0..block_size)
        "state": [str, ...]}      # per block: "free" | "external" | "cached" | "used"
 
-The categories and their definitions are those of ARCHITECTURE §3, after the vLLM paper
+The categories and their definitions are those of docs/architecture.md §3, after the vLLM paper
 (Kwon et al., *Efficient Memory Management for Large Language Model Serving with
 PagedAttention*, SOSP 2023, §2.3 and Fig. 2). Category colours are defined once, in
 :data:`workbench.viz.common.MEMORY_CATEGORIES`, and used by every figure here.
@@ -417,7 +417,7 @@ TIMELINE_HEIGHT = 510
 def memory_timeline_figure(
     steps: Sequence[Any], unit: str = "MiB", x: str = "step", show_utilization: bool = True
 ) -> go.Figure:
-    """Stacked areas of the five KV-pool categories over the run (ARCHITECTURE §3).
+    """Stacked areas of the five KV-pool categories over the run (docs/architecture.md §3).
 
     Bottom to top: token states, reservation, internal fragmentation, external fragmentation,
     free; at every step the stack's top is the pool (``num_blocks * block_size`` slots, or that

@@ -1,11 +1,11 @@
 """A live view of a running engine for JupyterLab: ipywidgets + plotly ``FigureWidget``.
 
 :class:`LiveMonitor` attaches a sink to an engine's :class:`~workbench.metrics.Recorder` and
-redraws, at most every ``refresh_s`` seconds, the KV pool split of ARCHITECTURE §3 (stacked
+redraws, at most every ``refresh_s`` seconds, the KV pool split of docs/architecture.md §3 (stacked
 areas, with the KV utilization), the running / waiting requests, the latest block map and a
 status line. Each step only appends its record to a list; redraws are batched
-(``FigureWidget.batch_update``) and throttled by time, so watching a run costs little (measured
-in ``benchmarks/live_monitor.py``, results in ``docs/benchmarks.md``).
+(``FigureWidget.batch_update``) and throttled by time, so watching a run costs little (``benchmarks/live_monitor.py``;
+see docs/benchmarks.md, section "Live monitor overhead").
 
 ipywidgets and anywidget (which plotly's ``FigureWidget`` needs) are optional: they are imported
 when a monitor is built, and a missing one raises ``ImportError`` naming
@@ -105,7 +105,7 @@ class LiveMonitor:
     Shows (an ipywidgets ``VBox``, :attr:`widget`): a status line (step, running, waiting,
     KV utilization, fragmentation rate, blocks used, finished requests); one ``FigureWidget``
     with the five KV-pool categories as stacked areas (token states, reservation, internal
-    fragmentation, external fragmentation, free; ARCHITECTURE §3, after Kwon et al., SOSP 2023,
+    fragmentation, external fragmentation, free; docs/architecture.md §3, after Kwon et al., SOSP 2023,
     Fig. 2) in ``unit`` over the engine step, the KV utilization (token states / pool) on a
     right axis, and the running / waiting requests below; and, with ``block_map=True``, one
     ``FigureWidget`` with the latest block-map snapshot (see
