@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = (
     "import sys; tree = sys.argv[1]; sys.path.insert(0, tree); import workbench; "
     "print('workbench.__file__ =', workbench.__file__, flush=True); "
-    "from workbench.cli import main; sys.argv = ['workbench', *sys.argv[2:]]; main()"
+    "import importlib.util as u; "  # the command's home: workbench.cli.main, or workbench.cli in older trees
+    "m = 'workbench.cli.main' if u.find_spec('workbench.cli').submodule_search_locations else 'workbench.cli'; "
+    "main = __import__(m, fromlist=['main']).main; sys.argv = ['workbench', *sys.argv[2:]]; main()"
 )
 
 

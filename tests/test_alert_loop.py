@@ -89,7 +89,7 @@ def test_the_receiver_acts_on_firing_alerts_once_per_cooldown(server):
 def test_a_real_prometheus_alert_lowers_the_servers_admission(server, tmp_path):
     """A rule that fires at once (requests running >= 0, ``for: 0s``) stands in for an overload; Prometheus pushes
     it to the receiver, which halves max_num_seqs on the server."""
-    from workbench.server.prometheus import PrometheusProcess
+    from workbench.server.prometheus_process import PrometheusProcess
 
     call(server.base_url + "/admin/max_num_seqs", "POST", {"max_num_seqs": 8})
     rules = tmp_path / "rules.yml"

@@ -1,4 +1,4 @@
-"""The built-in allocators of ``workbench/allocators/``: best-fit contiguous placement and the binary buddy system.
+"""The built-in allocators of ``workbench/kv/``: best-fit contiguous placement and the binary buddy system.
 
 Hand-counted unit tests (best-fit takes the smallest hole where first-fit takes the lowest; buddy splits, aligns,
 rounds up to powers of two, coalesces back to its initial segments, covers a pool that is not a power of two); random
@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workbench import LLM, SamplingParams
-from workbench.allocators.best_fit import BestFitKVCacheManager
-from workbench.allocators.buddy import BuddyKVCacheManager
 from workbench.config import BUILTIN_ALLOCATORS, KV_ALLOCATORS, EngineConfig
 from workbench.kv import KVManager, make_kv_manager
+from workbench.kv.best_fit import BestFitKVCacheManager
+from workbench.kv.buddy import BuddyKVCacheManager
 from workbench.kv.contiguous import ContiguousKVCacheManager, next_pow2
 from workbench.metrics import waste_breakdown
 from workbench.metrics.accounting import block_map, pool_usage
@@ -424,7 +424,7 @@ def test_lab_run_and_panel_take_the_new_allocators(tiny_model, name):
 # ------------------------------------------------------------------ workbench run / compare (bundled model)
 @pytest.mark.slow
 def test_workbench_run_and_compare_cli_take_the_new_allocators(tmp_path):
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     args = ["--num-prompts", "2", "--max-tokens", "6", "--max-num-seqs", "2", "--max-model-len", "512"]
     for name in NEW:
@@ -451,7 +451,7 @@ def test_workbench_run_and_compare_cli_take_the_new_allocators(tmp_path):
 def test_a_run_where_no_request_finished_fails(tmp_path):
     """Every prompt refused (the bundled model's chat prompts are longer than max_model_len=16 allows): the table and
     the reasons print, the exit code is 1."""
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     args = ["run", "--max-model-len", "16", "--num-prompts", "2", "--max-tokens", "2", "--output-dir", str(tmp_path)]
     r = CliRunner().invoke(main, args)

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from workbench.bench.regression import compare_results, load_results, metrics_of
-from workbench.cli import main
+from workbench.cli.main import main
 
 
 def serve_result(scale_latency: float = 1.0, scale_throughput: float = 1.0, p99: float = 1.0, **extra) -> dict:

@@ -474,7 +474,7 @@ def test_sharegpt_output_len_comes_from_the_reply(tokenizer, tmp_path):
 
 
 def test_cli_bench_serve_saves_the_result(tmp_path):
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     with FakeServer() as srv:
         res = CliRunner().invoke(
@@ -496,7 +496,7 @@ def test_cli_bench_serve_saves_the_result(tmp_path):
 
 
 def test_cli_bad_flag_is_a_clear_error():
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     res = CliRunner().invoke(main, ["bench", "serve", "--request-rate", "0", "--model", "m"])
     assert res.exit_code != 0 and "--request-rate 0" in res.output

@@ -160,7 +160,7 @@ def test_run_command_takes_the_hub_repo_id(tmp_path):
 
     from click.testing import CliRunner
 
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     res = CliRunner().invoke(
         main,

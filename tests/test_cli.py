@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import SHAREGPT_500
 
-from workbench.cli import main, parse_bytes
+from workbench.cli.main import main, parse_bytes
 
 
 def test_parse_bytes():

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from workbench.bench.compare import compare, variant_timeline_figure, write_compare_report
-from workbench.cli import main
+from workbench.cli.main import main
 
 pytestmark = pytest.mark.slow
 SMALL = dict(num_prompts=4, max_tokens=12, max_model_len=2048, max_num_seqs=4, num_gpu_blocks_override=200)

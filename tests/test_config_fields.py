@@ -12,8 +12,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from workbench.cli import main
-from workbench.cli_options import dataclass_options, engine_args, engine_options, parse_bytes
+from workbench.cli.main import main
+from workbench.cli.options import dataclass_options, engine_args, engine_options, parse_bytes
 from workbench.config import (
     ATTENTION_BACKENDS,
     BATCHING_POLICIES,
@@ -219,5 +219,5 @@ def test_kvcalc_is_the_calculator_only():
 
 @pytest.mark.slow
 def test_no_cycle_between_the_clis():
-    mods = _modules_after("import workbench.sim.cli")
-    assert "workbench.cli" not in mods and "workbench.cli_options" in mods
+    mods = _modules_after("import workbench.cli.simulate")
+    assert "workbench.cli.main" not in mods and "workbench.cli.options" in mods

@@ -23,7 +23,16 @@ CORE_FILES = (
 )
 CORE_DIRS = ("kv", "attention")
 #: in CORE_DIRS but not core: the kernel adapters (the engine runs without them, on the reference)
-NOT_CORE = ("attention/triton_backend.py", "attention/cpu_backend.py")
+NOT_CORE = (
+    "attention/triton_backend.py",
+    "attention/cpu_backend.py",
+    # the course's stage-4 extensions of the KV layer: more placements, eviction policies, defragmentation
+    "kv/best_fit.py",
+    "kv/buddy.py",
+    "kv/eviction.py",
+    "kv/defrag.py",
+    "kv/moves.py",
+)
 MAX_CORE_LINES = 3000
 MAX_FUNCTION_LINES = 80
 

@@ -1,4 +1,4 @@
-"""KV defragmentation by block copies (workbench.allocators.defrag / .moves): copy order on both copy paths, moves on
+"""KV defragmentation by block copies (workbench.kv.defrag / .moves): copy order on both copy paths, moves on
 both managers (and their refusals), compaction plans on hand-built layouts, random schedules with compaction
 interleaved under a content model of the cache, greedy tokens with and without compaction, triggers, records."""
 
@@ -13,19 +13,19 @@ from hypothesis import strategies as st
 
 from tests.fixtures.lowest_first import LowestFirstKVManager
 from workbench import LLMEngine, SamplingParams, kernels
-from workbench.allocators.defrag import (
+from workbench.attention import get_backend
+from workbench.config import EngineConfig
+from workbench.executor.local import ModelRunner
+from workbench.kv import KVCacheManager
+from workbench.kv.contiguous import ContiguousKVCacheManager
+from workbench.kv.defrag import (
     Defragmenter,
     DefragPass,
     highest_block_gap,
     largest_free_run,
     plan_compaction,
 )
-from workbench.allocators.moves import copy_rounds
-from workbench.attention import get_backend
-from workbench.config import EngineConfig
-from workbench.executor.local import ModelRunner
-from workbench.kv import KVCacheManager
-from workbench.kv.contiguous import ContiguousKVCacheManager
+from workbench.kv.moves import copy_rounds
 from workbench.metrics.accounting import KVUsage
 from workbench.request import Request
 from workbench.scheduler import Scheduler, SchedulerOutput
@@ -449,7 +449,7 @@ def test_a_pass_never_runs_in_a_step_that_swaps_in():
 
 def test_the_run_tables_name_the_kv_manager_and_show_the_compaction_figures():
     """What `workbench run` and `workbench simulate` print about the KV manager (cli_options)."""
-    from workbench.cli_options import kv_figure_rows, kv_manager_line
+    from workbench.cli.options import kv_figure_rows, kv_manager_line
 
     cfg = EngineConfig(kv_allocator="orca-max", kv_defrag_trigger="fragmentation").to_dict()
     assert kv_manager_line(cfg) == "orca-max, block_size 16; compaction: fragmentation > 0.5"

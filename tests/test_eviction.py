@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from tests.fixtures.scan_resistant import ProtectedLRUPolicy
 from workbench import LLM, SamplingParams
-from workbench.allocators.eviction import BUILTIN, EvictionPolicy, LRUPolicy, eviction_policy_class
 from workbench.bench.samples import prefix_repetition_records
 from workbench.config import PREFIX_CACHE_EVICTIONS, EngineConfig
 from workbench.kv import BlockPool, KVCacheManager
+from workbench.kv.eviction import BUILTIN, EvictionPolicy, LRUPolicy, eviction_policy_class
 from workbench.metrics.stats import prefix_cache_summary
 from workbench.request import Request
 from workbench.sampling import SamplingParams as SP
@@ -310,7 +310,7 @@ def test_prefix_repetition_records_refuse_bad_options(kw, match):
 
 
 def test_workbench_run_takes_the_trace_and_the_plug_in(tiny_model, tmp_path):
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     args = ["run", "--model", str(tiny_model), "--dataset", "prefix-repetition", "--num-prompts", "10",
             "--prefix-repetition-prefix-len", "24", "--prefix-repetition-suffix-len", "4",

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from workbench.catalog import GPUS, MODELS, ModelArch, find_gpu, find_model
-from workbench.cli import main
+from workbench.cli.main import main
 from workbench.kvcalc import kv_calc, load_arch, parse_size
 from workbench.memory import kv_bytes_per_token
 
@@ -393,7 +393,7 @@ def test_a_hub_repo_id_resolves_to_the_catalogue_entry_citing_it():
     out = CliRunner().invoke(main, ["kv-calc", "meta-llama/Llama-2-70b-chat-hf"])
     assert out.exit_code != 0 and "llama-2-70b (meta-llama/Llama-2-70b-hf)" in out.output
     # the simulator reads models the same way
-    from workbench.sim.cli import _spec
+    from workbench.cli.simulate import _spec
 
     spec = _spec("meta-llama/Llama-2-7b-hf", "L4", 1, "float16", "auto", "0", None, None)
     assert spec.arch is MODELS["llama-2-7b"]
@@ -427,7 +427,7 @@ def test_cli_list_and_errors():
 
 
 def test_cli_says_what_the_reserve_is_and_counts_sequences_in_the_singular():
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     args = ["kv-calc", "llama-2-7b", "--gpu-memory", "24GB", "--seq-len", "100000"]
     out = CliRunner().invoke(main, args)

@@ -272,7 +272,7 @@ def test_lab_run_takes_the_plug_in(tiny_model):
 # ------------------------------------------------------------------ workbench run / compare (bundled model)
 @pytest.mark.slow
 def test_workbench_run_cli_takes_the_plug_in(tmp_path):
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     args = ["--num-prompts", "2", "--max-tokens", "4", "--max-num-seqs", "2", "--max-model-len", "512"]
     res = CliRunner().invoke(
@@ -303,7 +303,7 @@ def test_compare_takes_the_plug_in(tmp_path):
 
 @pytest.mark.slow
 def test_compare_cli_takes_the_plug_in(tmp_path):
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     r = CliRunner().invoke(
         main,

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from tests.fixtures.lowest_first import LowestFirstKVManager
 from workbench import conformance
-from workbench.allocators.best_fit import BestFitKVCacheManager
-from workbench.allocators.buddy import BuddyKVCacheManager
 from workbench.kv import BlockPool, KVCacheManager
+from workbench.kv.best_fit import BestFitKVCacheManager
+from workbench.kv.buddy import BuddyKVCacheManager
 from workbench.kv.contiguous import ContiguousKVCacheManager, next_pow2
 from workbench.metrics.accounting import pool_usage
 from workbench.request import Request, RequestStatus

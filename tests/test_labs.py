@@ -274,7 +274,7 @@ def test_workbench_lab_command(tmp_path, monkeypatch):
 
     from click.testing import CliRunner
 
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     res = CliRunner().invoke(main, ["lab", "--labs-dir", str(tmp_path / "missing")])
     assert res.exit_code != 0 and "is not a folder" in res.output

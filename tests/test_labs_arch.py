@@ -11,9 +11,9 @@ import torch
 
 from workbench import labs
 from workbench.comm import CUSTOM_AR_MAX_SIZE, custom_all_reduce_bytes, nccl_buffer_bytes
+from workbench.labs import ch09_tensor_parallelism as tpl
 from workbench.labs import nccl_buffers as ncb
 from workbench.labs import rank_memory as rm
-from workbench.labs import tensor_parallel as tpl
 
 MiB = 1 << 20
 

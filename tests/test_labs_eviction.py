@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.allocators.eviction import EvictionPolicy, LRUPolicy
+from workbench.kv.eviction import EvictionPolicy, LRUPolicy
 from workbench.labs import eviction as ev
 from workbench.metrics.stats import prefix_cache_summary
 from workbench.plugins import register_class, registered
@@ -22,8 +22,8 @@ class EmptyFirstLRU(EvictionPolicy):
 
 
 def test_register_makes_a_notebook_class_loadable_by_name():
-    from workbench.allocators.eviction import eviction_policy_class
     from workbench.config import EngineConfig
+    from workbench.kv.eviction import eviction_policy_class
 
     name = register_class(EmptyFirstLRU, EvictionPolicy)
     assert name == "workbench.plugins:EmptyFirstLRU"

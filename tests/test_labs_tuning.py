@@ -289,7 +289,7 @@ def test_chapter_modules_are_reached_from_the_package():
 
     from workbench import labs
 
-    for name in ("sweep", "chunked", "tensor_parallel", "nccl_buffers", "multigpu_common", "chapters"):
+    for name in ("sweep", "chunked", "ch09_tensor_parallelism", "nccl_buffers", "multigpu_common", "chapters"):
         assert getattr(labs, name) is importlib.import_module(f"workbench.labs.{name}")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         labs.nope  # noqa: B018

@@ -181,7 +181,7 @@ def test_a_cycle_and_an_upward_import_are_caught():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
     assert layer_of("workbench.model.llama") > layer_of("workbench.config")
-    assert layer_of("workbench.labs.tensor_parallel") > layer_of("workbench.engine")
+    assert layer_of("workbench.labs.ch09_tensor_parallelism") > layer_of("workbench.engine")
 
 
 def test_no_top_level_package_but_workbench():

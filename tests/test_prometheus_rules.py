@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workbench.server.prometheus import ALERT_RULES, PrometheusProcess
+from workbench.server.prometheus_process import ALERT_RULES, PrometheusProcess
 
 RULES_DIR = ALERT_RULES.parent
 PROMTOOL = shutil.which("promtool")

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from workbench.catalog import GPUS, MODELS
-from workbench.cli import main
+from workbench.cli.main import main
 from workbench.config import EngineConfig
 from workbench.kvcalc import kv_calc
 from workbench.sim import CostModel, Efficiency, SimEngine, SimSpec, StepShape, find_hardware, make_trace

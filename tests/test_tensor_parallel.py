@@ -351,14 +351,14 @@ def test_cli_flags_reach_the_engine(tiny_model):
     import click
     from click.testing import CliRunner
 
-    from workbench.cli import engine_options
+    from workbench.cli.main import engine_options
 
     seen = {}
 
     @click.command()
     @engine_options
     def cmd(**kw):
-        from workbench.cli import _engine_args
+        from workbench.cli.main import _engine_args
 
         seen.update(_engine_args(kw))
 

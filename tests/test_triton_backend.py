@@ -45,7 +45,7 @@ def test_triton_backend_without_triton_names_the_install(monkeypatch):
 def test_cli_has_the_option():
     from click.testing import CliRunner
 
-    from workbench.cli import main
+    from workbench.cli.main import main
 
     out = CliRunner().invoke(main, ["run", "--help"]).output
     assert "--attention-backend" in out and "triton-interpret" in out

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from workbench.allocators.eviction import check_prefix_cache_eviction
 from workbench.catalog import BUNDLED_MODEL, BUNDLED_REPO, is_bundled_model
 from workbench.comm import NCCL_MAX_CHANNELS, parse_nccl_proto
 from workbench.cpu_dtype import auto_dtype, cpu_native_bfloat16, resolve_dtype  # noqa: F401  (re-exported)
@@ -36,22 +35,22 @@ DEFAULT_MODEL = BUNDLED_MODEL
 #: panels import them from here).
 CONTIGUOUS_ALLOCATORS = ("static", "orca-max", "orca-pow2", "orca-oracle")  # see workbench.kv.contiguous
 BUILTIN_ALLOCATORS = {"best-fit": "best_fit:BestFitKVCacheManager", "buddy": "buddy:BuddyKVCacheManager"}
-KV_ALLOCATORS = ("paged", *CONTIGUOUS_ALLOCATORS, *BUILTIN_ALLOCATORS)  # the last: workbench/allocators/<module:Class>
+KV_ALLOCATORS = ("paged", *CONTIGUOUS_ALLOCATORS, *BUILTIN_ALLOCATORS)  # the last: workbench/kv/<module:Class>
 BATCHING_POLICIES = ("continuous", "static", "grouped")  # see workbench.scheduler
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "triton-interpret")  # see workbench.attention.backend
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
-PREFIX_CACHE_EVICTIONS = ("lru", "fifo", "lfu")  # see workbench.allocators.eviction
+PREFIX_CACHE_EVICTIONS = ("lru", "fifo", "lfu")  # see workbench.kv.eviction
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # and the aliases of resolve_dtype
-KV_DEFRAG_TRIGGERS = ("none", "fragmentation", "waiting", "highest-block")  # see workbench.allocators.defrag
+KV_DEFRAG_TRIGGERS = ("none", "fragmentation", "waiting", "highest-block")  # see workbench.kv.defrag
 
 
 def arg(default, help: str, *, choices: tuple | None = None, minimum=None, maximum=None, cli: dict | bool = True, **kw):
     """One engine argument: its default, ``help`` text, allowed ``choices`` or range ``minimum .. maximum``,
     kept in the field's metadata (``validate`` checks them).
 
-    ``cli`` says how the command line shows it (read by :mod:`workbench.cli_options`): ``True`` (an
+    ``cli`` says how the command line shows it (read by :mod:`workbench.cli.options`): ``True`` (an
     option named after the field; a bool becomes ``--x/--no-x``), ``False`` (no option), or a dict:
     ``{"type": "bytes"}`` (a size such as ``2GiB``), ``{"aliases": ("-tp",)}``.
     """
@@ -203,6 +202,8 @@ class EngineConfig:
         """
         self._validate_sizes()
         self._validate_choices()
+        from workbench.kv.eviction import check_prefix_cache_eviction  # (workbench.kv sits above this module)
+
         check_prefix_cache_eviction(self)  # a plug-in policy loads here; fifo, lfu and plug-ins need prefix caching
         self._validate_parallel()
         self._validate_dtypes_and_paths()

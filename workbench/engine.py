@@ -19,12 +19,12 @@ from dataclasses import replace
 
 import torch
 
-from workbench.allocators.defrag import Defragmenter
 from workbench.attention.backend import auto_reason, check_backend
 from workbench.config import EngineConfig
 from workbench.executor import make_executor
 from workbench.inputs import Prompt, check_samplable, check_true_output_len, prompt_refusal, tokenize_prompt
 from workbench.kv import make_kv_manager, plugin_class
+from workbench.kv.defrag import Defragmenter
 from workbench.memory import MemoryBudget, resolve_lengths, swap_pool_blocks
 from workbench.metrics import Recorder, request_record
 from workbench.metrics.accounting import PoolAccounting, block_map

@@ -1,5 +1,5 @@
 """KV-cache and weight sizes of a model from its architecture alone (the calculator of ``workbench kv-calc``;
-its command and printer live in :mod:`workbench.kvcalc_cli`).
+its command and printer live in :mod:`workbench.cli.kv_calc`).
 
 Formulas (docs/architecture.md §3; vLLM paper, Kwon et al., SOSP 2023, §3):
 

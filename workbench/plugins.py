@@ -51,7 +51,7 @@ def register_class(cls: type, base: type | None = None, name: str | None = None)
 
     Args:
         cls: the class, e.g. a :class:`~workbench.kv.interface.KVManager` or
-            :class:`~workbench.allocators.eviction.EvictionPolicy` subclass.
+            :class:`~workbench.kv.eviction.EvictionPolicy` subclass.
         base: if given, ``cls`` must subclass it.
         name: the name to file it under (a public identifier; default: the class's ``__name__``).
 

@@ -72,7 +72,7 @@ class SchedulerOutput:
     #: (re-admissions after preemption are not counted)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    #: what KV compaction did this step (``workbench.allocators.defrag.DefragStep``; its moves end block_copies)
+    #: what KV compaction did this step (``workbench.kv.defrag.DefragStep``; its moves end block_copies)
     defrag: object | None = None
 
     @property

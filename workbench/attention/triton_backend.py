@@ -13,9 +13,9 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from workbench.allocators.moves import copy_rounds
 from workbench.attention.torch_ref import AttentionMetadata
 from workbench.kernels import load_triton
+from workbench.kv.moves import copy_rounds
 
 
 @dataclass

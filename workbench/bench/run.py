@@ -57,15 +57,15 @@ def check_engine_args(engine_args: dict) -> EngineConfig:
     Raises:
         ValueError: what the engine would refuse once built, naming the value and the fix.
     """
-    from workbench.allocators.defrag import check_trigger
     from workbench.config import BUILTIN_ALLOCATORS
     from workbench.kv import plugin_class
+    from workbench.kv.defrag import check_trigger
     from workbench.plugins import is_plugin_name
 
     cfg = EngineConfig(**engine_args).validate()
     a = cfg.kv_allocator
     if a in BUILTIN_ALLOCATORS or is_plugin_name(a):
-        cls = plugin_class(f"workbench.allocators.{BUILTIN_ALLOCATORS[a]}" if a in BUILTIN_ALLOCATORS else a)
+        cls = plugin_class(f"workbench.kv.{BUILTIN_ALLOCATORS[a]}" if a in BUILTIN_ALLOCATORS else a)
         check_trigger(cfg.kv_defrag_trigger, cls, a)
     return cfg
 

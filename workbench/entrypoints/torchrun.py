@@ -13,7 +13,7 @@ import sys
 import click
 import torch
 
-from workbench.cli_options import engine_args, engine_options
+from workbench.cli.options import engine_args, engine_options
 from workbench.executor.tensor_parallel import _torchrun_env, serve
 
 

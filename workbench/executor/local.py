@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workbench.allocators.moves import copy_rounds
 from workbench.attention import AttentionMetadata, DecodeGroup, get_backend
 from workbench.config import EngineConfig
 from workbench.kv.interface import KVManager
 from workbench.kv.manager import cdiv
+from workbench.kv.moves import copy_rounds
 from workbench.memory import MemoryBudget, check_fits, engine_budget, profile_activation_peak
 from workbench.model.llama import LlamaForCausalLM
 from workbench.model.loader import build_model, load_model
@@ -180,7 +180,7 @@ class ModelRunner:
         for layer, gpu in enumerate(self.kv_caches):
             if swap_out:
                 self.cpu_caches[layer][:, idx(swap_out, 1, "cpu")] = gpu[:, idx(swap_out, 0, gpu.device)].to("cpu")
-            for r in copy_rounds(copies):  # in list order (workbench.allocators.moves)
+            for r in copy_rounds(copies):  # in list order (workbench.kv.moves)
                 gpu[:, idx(r, 1, gpu.device)] = gpu[:, idx(r, 0, gpu.device)]
             if swap_in:
                 gpu[:, idx(swap_in, 1, gpu.device)] = self.cpu_caches[layer][:, idx(swap_in, 0, "cpu")].to(gpu.device)

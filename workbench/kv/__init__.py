@@ -18,7 +18,7 @@ def plugin_class(name: str) -> type[KVManager]:
 def make_kv_manager(config, num_blocks: int, num_cpu_blocks: int = 0) -> KVManager:
     """The manager ``config.kv_allocator`` names, over a pool of ``num_blocks`` blocks of
     ``config.block_size`` slots (and ``num_cpu_blocks`` of CPU swap space, paged only): ``"paged"``,
-    a contiguous baseline, a built-in of ``workbench/allocators/`` (``BUILTIN_ALLOCATORS``: best-fit,
+    a contiguous baseline, a built-in of ``workbench/kv/`` (``BUILTIN_ALLOCATORS``: best-fit,
     buddy; loaded as plug-ins) or a plug-in ``"package.module:ClassName"``, each built as
     ``ClassName(num_blocks, block_size)``; paged evicts prefix-cached blocks by ``config.prefix_cache_eviction``.
 
@@ -26,7 +26,7 @@ def make_kv_manager(config, num_blocks: int, num_cpu_blocks: int = 0) -> KVManag
         ValueError: a plug-in that cannot be loaded (see :func:`plugin_class`).
     """
     name = config.kv_allocator
-    name = f"workbench.allocators.{BUILTIN_ALLOCATORS[name]}" if name in BUILTIN_ALLOCATORS else name
+    name = f"workbench.kv.{BUILTIN_ALLOCATORS[name]}" if name in BUILTIN_ALLOCATORS else name
     if name == "paged":
         args = (config.enable_prefix_caching, num_cpu_blocks, config.prefix_cache_eviction)
         return KVCacheManager(num_blocks, config.block_size, *args)

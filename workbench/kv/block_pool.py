@@ -2,20 +2,20 @@
 
 The design follows vLLM's block pool (vllm/v1/core/block_pool.py). With prefix caching a freed block keeps its
 content hash and stays findable until it is handed out again (evicted); which free block goes next is the eviction
-policy's choice (:mod:`workbench.allocators.eviction`; vLLM's LRU free queue by default)."""
+policy's choice (:mod:`workbench.kv.eviction`; vLLM's LRU free queue by default)."""
 
 from __future__ import annotations
 
-from workbench.allocators.eviction import eviction_policy_class
+from workbench.kv.eviction import eviction_policy_class
 
 
 class BlockPool:
     """``num_blocks`` physical blocks, free ones handed out in the order of the ``eviction_policy`` a built-in name
-    or plug-in names (:func:`~workbench.allocators.eviction.eviction_policy_class`); ``ValueError`` if ``num_blocks <
+    or plug-in names (:func:`~workbench.kv.eviction.eviction_policy_class`); ``ValueError`` if ``num_blocks <
     1`` or the policy is unknown.
 
     Attributes:
-        policy: the free blocks and which goes next (an :class:`~workbench.allocators.eviction.EvictionPolicy`).
+        policy: the free blocks and which goes next (an :class:`~workbench.kv.eviction.EvictionPolicy`).
         ref_cnt: owners of each block (0 = free).
         block_hash: the content hash of each cached (full, prefix-cacheable) block, else ``None``.
         cached: hash -> block id, for every block that holds a cached full block.

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from bisect import insort
 
-from workbench.allocators.moves import move_contiguous
 from workbench.kv.interface import KVManager
 from workbench.kv.manager import cdiv
+from workbench.kv.moves import move_contiguous
 
 #: allocator names accepted by ``EngineConfig.kv_allocator``
 from workbench.config import CONTIGUOUS_ALLOCATORS, KV_ALLOCATORS  # noqa: F401  # isort: skip  (declared in config)
@@ -172,7 +172,7 @@ class ContiguousKVCacheManager(KVManager):
             self._used_blocks -= len(table)
 
     def move_blocks(self, moves: list[tuple[int, int]]) -> None:
-        """Move whole regions (compaction; :func:`~workbench.allocators.moves.move_contiguous`)."""
+        """Move whole regions (compaction; :func:`~workbench.kv.moves.move_contiguous`)."""
         move_contiguous(self, moves)
 
     def forget(self, request_id: str) -> None:

@@ -105,7 +105,7 @@ class KVManager(ABC):
 
     def move_blocks(self, moves: list[tuple[int, int]]) -> None:
         """Relocate live blocks ``(src, dst)`` in list order, rewriting block tables and queueing the copies (rules:
-        :mod:`workbench.allocators.moves`). Raises ``NotImplementedError`` where unsupported (the default)."""
+        :mod:`workbench.kv.moves`). Raises ``NotImplementedError`` where unsupported (the default)."""
         raise NotImplementedError(f"kv_allocator={self.name!r} cannot move blocks: compaction is unsupported")
 
     # ---------------------------------------------------- reservation (contiguous)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from workbench.allocators.moves import move_paged
 from workbench.kv.block_pool import BlockPool
 from workbench.kv.interface import KVManager
+from workbench.kv.moves import move_paged
 
 
 def cdiv(a: int, b: int) -> int:

@@ -9,7 +9,7 @@
 - :mod:`workbench.labs.sweep` — chapter 7: the parameter matrix (:class:`~workbench.labs.sweep.SweepPanel`,
   real and simulated sweeps, heatmaps);
 - :mod:`workbench.labs.chunked` — chapter 8: chunked prefill and the ITL / TTFT trade-off;
-- :mod:`workbench.labs.tensor_parallel` — chapter 9: tensor parallelism, real and simulated;
+- :mod:`workbench.labs.ch09_tensor_parallelism` — chapter 9: tensor parallelism, real and simulated;
 - :mod:`workbench.labs.nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
   (what both share: :mod:`workbench.labs.multigpu_common`);
 - :mod:`workbench.labs.eviction` — chapter 12: eviction policies for shared prefixes (real and simulated runs
@@ -63,7 +63,7 @@ _MODULES = (
     "rank_memory",
     "regression_baseline",
     "sweep",
-    "tensor_parallel",
+    "ch09_tensor_parallelism",
 )
 
 

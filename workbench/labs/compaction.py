@@ -1,7 +1,7 @@
 """Chapter 13 of the labs: KV defragmentation by block copies, and when it pays.
 
 *Real runs on the bundled model* (float32, CPU): a contiguous allocator (``orca-max``, first-fit) whose waiting
-request fits no hole; a compaction pass (:mod:`workbench.allocators.defrag`) recorded exactly as it ran — the block
+request fits no hole; a compaction pass (:mod:`workbench.kv.defrag`) recorded exactly as it ran — the block
 map just before it, its moves, the map just after (:class:`RecordingDefragmenter`) — and the request admitted in the
 next step (the step records' ``defrag_unblocked``); every trigger on the same trace, cost (blocks and bytes copied,
 copy seconds) against benefit (requests admitted, steps to finish) (:func:`trigger_rows`); the same on the paged
@@ -28,7 +28,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from workbench.allocators.defrag import Defragmenter, plan_compaction
+from workbench.kv.defrag import Defragmenter, plan_compaction
 from workbench.labs.multigpu_common import _Panel
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_args, lab_run, lab_trace
 from workbench.viz.common import LEGEND_ABOVE, count_axis, plural
@@ -85,13 +85,13 @@ def defrag_trace(**overrides: Any):
 
 # ====================================================================== engines and passes
 class RecordingDefragmenter(Defragmenter):
-    """A :class:`~workbench.allocators.defrag.Defragmenter` that also keeps, for every pass, its moves and the
+    """A :class:`~workbench.kv.defrag.Defragmenter` that also keeps, for every pass, its moves and the
     block map just before and just after it (:func:`workbench.metrics.accounting.block_map`, the free runs too
     short for the first waiting request marked ``external``), and the fragmentation rate the trigger saw.
 
     Attributes:
         records: one dict per pass: ``step`` (the engine step that carries it), ``pass`` (the
-            :class:`~workbench.allocators.defrag.DefragPass`), ``moves`` (``(src, dst)`` in order), ``need``
+            :class:`~workbench.kv.defrag.DefragPass`), ``moves`` (``(src, dst)`` in order), ``need``
             (blocks the first waiting request reserves, 0 when none waits), ``before`` / ``after`` (block maps),
             ``usage`` (the pool split after the previous step, or ``None``).
     """
@@ -405,7 +405,7 @@ def sim_trigger_row(
         run, requests a pass admitted, the highest-block gap and the highest used block id (mean and peak over
         steps), the replay's wall seconds.
     """
-    from workbench.allocators.defrag import highest_block_gap
+    from workbench.kv.defrag import highest_block_gap
     from workbench.catalog import MODELS
     from workbench.config import EngineConfig
     from workbench.metrics import CallbackSink

@@ -1,7 +1,7 @@
 """Chapter 12: eviction policies for shared prefixes.
 
 Which free prefix-cached KV block the paged pool hands out next (engine argument ``prefix_cache_eviction``,
-:mod:`workbench.allocators.eviction`), measured on the multi-tenant prefix-repetition trace
+:mod:`workbench.kv.eviction`), measured on the multi-tenant prefix-repetition trace
 (:func:`workbench.bench.samples.prefix_repetition_records`):
 
 - real runs on the bundled model (one engine, its prefix cache emptied and given another policy between runs,
@@ -25,7 +25,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from workbench.allocators.eviction import BUILTIN, EvictionPolicy, LRUPolicy, eviction_policy_class
+from workbench.kv.eviction import BUILTIN, EvictionPolicy, LRUPolicy, eviction_policy_class
 from workbench.bench.samples import prefix_repetition_records
 from workbench.labs.multigpu_common import _Panel
 from workbench.viz.common import percent_axis, title_and_legend_above

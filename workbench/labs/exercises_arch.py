@@ -154,7 +154,7 @@ class _NextVictims:
 def _plan(regions, num_blocks: int, need_blocks: int):
     from types import SimpleNamespace
 
-    from workbench.allocators.defrag import plan_compaction
+    from workbench.kv.defrag import plan_compaction
 
     kv = SimpleNamespace(regions=sorted(tuple(r) for r in regions), num_blocks=num_blocks)
     return plan_compaction(kv, num_blocks, need_blocks)
@@ -164,7 +164,7 @@ def _plan(regions, num_blocks: int, need_blocks: int):
     "13.1",
     "A contiguous pool (regions = [start, blocks, request]) and a waiting request that needs need_blocks "
     "consecutive blocks: how many blocks does a compaction pass move before a free run holds it? "
-    "(an integer; checked against workbench.allocators.defrag.plan_compaction)",
+    "(an integer; checked against workbench.kv.defrag.plan_compaction)",
     "regions slide down whole, lowest first, each to the end of the one below it; after each slide look at the "
     "largest free run (the hole just opened, or any run above) and stop as soon as one holds need_blocks.",
 )

@@ -5,7 +5,7 @@ when the notebook's kernel stops):
 
 - ``workbench serve --enable-admin-api`` (:class:`workbench.server.launcher.ServerProcess`): ``/metrics`` with the
   ``vllm:`` names and ours (``workbench:``), and the admin actions an alert can call;
-- Debian's ``prometheus`` (:class:`workbench.server.prometheus.PrometheusProcess`), scraping it every half second
+- Debian's ``prometheus`` (:class:`workbench.server.prometheus_process.PrometheusProcess`), scraping it every half second
   and evaluating the shipped alert rules (``deploy/prometheus/workbench_alerts.yml``) with their time windows
   shortened for a demonstration (:func:`demo_rules`: minutes become seconds, thresholds unchanged);
 - the alert receiver (:class:`workbench.server.alert_receiver.AlertReceiver`) that Prometheus pushes firing alerts
@@ -33,7 +33,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.server.prometheus import ALERT_RULES
+from workbench.server.prometheus_process import ALERT_RULES
 from workbench.viz.table import Column, Table
 
 DEPLOY = ALERT_RULES.parents[1]  # the repository's deploy/
@@ -215,7 +215,7 @@ class MonitoringStack:
     def start(self) -> MonitoringStack:
         from workbench.server.alert_receiver import AlertReceiver
         from workbench.server.launcher import ServerProcess
-        from workbench.server.prometheus import PrometheusProcess
+        from workbench.server.prometheus_process import PrometheusProcess
 
         self.check()  # before the server's 10-20 s start: what can be refused now is refused now
         try:
@@ -244,7 +244,7 @@ class MonitoringStack:
                 no rule file defines (a typo would never act).
         """
         from workbench.server.alert_receiver import ACTIONS
-        from workbench.server.prometheus import prometheus_binary
+        from workbench.server.prometheus_process import prometheus_binary
 
         prometheus_binary()
         if not self.scrape_interval >= 0.1:

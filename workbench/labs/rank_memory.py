@@ -4,7 +4,7 @@ What a tensor-parallel rank holds besides its shard of the weights and its KV po
 shrunk or shared, and what each byte buys back in KV blocks and concurrent sequences.
 
 *Measured on this CPU* (a real TP=3 engine on the bundled model, over gloo; chapter 9's
-:func:`~workbench.labs.tensor_parallel.tp_engine`): one rank's budget as the engine planned it
+:func:`~workbench.labs.ch09_tensor_parallelism.tp_engine`): one rank's budget as the engine planned it
 (:func:`rank_budget_rows`), the activation workspace profiled on every rank at several
 ``max_num_batched_tokens`` with the blocks each frees (:func:`workspace_rows`), every step's
 all-reduce message against a custom all-reduce's ``max_size`` (:func:`message_rows`), and the

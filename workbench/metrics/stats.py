@@ -74,7 +74,7 @@ class StepStats:
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
     #: prefix-cached free blocks evicted (handed out for new content) this step, and the age of each: engine
     #: steps from the step its last owner freed it to this one (0 = freed and evicted in the same step); the
-    #: policy is ``prefix_cache_eviction`` (workbench.allocators.eviction)
+    #: policy is ``prefix_cache_eviction`` (workbench.kv.eviction)
     prefix_cache_evictions: int = 0
     evicted_block_ages_steps: list[int] = field(default_factory=list)
     # tensor parallelism (rank 0's collectives this step; workbench.comm.CommStats): payload bytes
@@ -84,7 +84,7 @@ class StepStats:
     broadcast_bytes: int = 0  # the step's inputs sent to the other ranks
     num_collectives: int = 0
     comm_time_s: float = 0.0  # part of model_time_s
-    # KV compaction (workbench.allocators.defrag): passes run for this step (by trigger after scheduling, or
+    # KV compaction (workbench.kv.defrag): passes run for this step (by trigger after scheduling, or
     # between steps by LLMEngine.compact), blocks and bytes they moved, waiting requests admitted this step that no
     # free run held at the previous pass; seconds of all the step's block copies (swap, copy-on-write, moves;
     # part of model_time_s) plus those of passes run between steps

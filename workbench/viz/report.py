@@ -476,7 +476,7 @@ def summary_table(
     out["running_reqs_mean"] = _mean([float(s["num_running"]) for s in steps])
     out["batched_reqs_mean"] = _mean([float(s.get("num_prefill_reqs", 0) + s.get("num_decode_reqs", 0)) for s in steps])
     moved = [s for s in steps if s.get("defrag_passes")]
-    if moved:  # KV compaction ran (workbench.allocators.defrag); copy time: all copies of those steps
+    if moved:  # KV compaction ran (workbench.kv.defrag); copy time: all copies of those steps
         out["defrag_passes"] = int(sum(s["defrag_passes"] for s in moved))
         out["defrag_blocks_moved"] = int(sum(s["defrag_blocks_moved"] for s in moved))
         out["defrag_bytes_moved"] = int(sum(s["defrag_bytes_moved"] for s in moved))

@@ -7,6 +7,8 @@ import math
 
 import click
 
+from workbench.cli.errors import user_errors
+
 __all__ = ["bench_serve_command"]
 
 
@@ -81,11 +83,9 @@ def bench_serve_command(request_rate, goodput, more_goodput, **kw):
 
     if more_goodput and not goodput:
         raise click.UsageError(f"unexpected argument(s) {' '.join(more_goodput)}; did you mean --goodput?")
-    try:
+    with user_errors(RuntimeError):
         run_bench_serve(
             request_rate=math.inf if request_rate.strip().lower() == "inf" else _rate(request_rate),
             goodput=[*goodput, *more_goodput],
             **kw,
         )
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise click.ClickException(str(e)) from None

@@ -136,7 +136,7 @@ class EvictionPolicy(ABC):
 
     def take(self, block_id: int) -> None:
         """Take the free ``block_id`` off the free set, chosen by the caller (:meth:`pop`, or a block move's
-        destination, :func:`workbench.allocators.moves.move_paged`); an eviction if it held cached content."""
+        destination, :func:`workbench.kv.moves.move_paged`); an eviction if it held cached content."""
         del self.free[block_id]
         if self.is_cached[block_id]:
             self.evicted_ages.append(self.step - self.freed_step[block_id])

@@ -9,7 +9,7 @@ copy ``src -> dst`` is queued for the executor (:meth:`~workbench.kv.interface.K
 in that same sequential order (:func:`copy_rounds`).
 
 This module imports nothing of ``workbench`` (the KV managers import it); planning and triggers are in
-:mod:`workbench.allocators.defrag`.
+:mod:`workbench.kv.defrag`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def move_paged(kv, moves: Pairs) -> None:
     Reference counts move with the content (a prefix-shared block keeps all its owners), as does its prefix-cache
     hash registration; a free destination that still caches a prefix block loses it (counted in ``num_evictions``,
     as when allocation evicts it, with its age). The content's eviction-policy figures (hits, when it was cached) move with it
-    (:meth:`~workbench.allocators.eviction.EvictionPolicy.moved`); the vacated source is freed, holding no cached content. Per-request hash chains
+    (:meth:`~workbench.kv.eviction.EvictionPolicy.moved`); the vacated source is freed, holding no cached content. Per-request hash chains
     are content hashes, so they do not change; the swap pool is not touched (only device blocks move).
 
     Raises:

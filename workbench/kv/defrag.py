@@ -2,7 +2,7 @@
 
 A *pass* moves live blocks into free ones (:meth:`~workbench.kv.interface.KVManager.move_blocks`: the block tables
 are rewritten and the copies ride in the step's ``SchedulerOutput.block_copies``, after copy-on-write; rules in
-:mod:`workbench.allocators.moves`). What a pass moves (:func:`plan_compaction`):
+:mod:`workbench.kv.moves`). What a pass moves (:func:`plan_compaction`):
 
 * **contiguous** allocators (``regions``): whole regions slide down, lowest first, closing the holes below them;
   with a waiting request's need (blocks) the pass stops as soon as one free run holds it.

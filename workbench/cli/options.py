@@ -132,7 +132,7 @@ def kv_manager_line(cfg: dict) -> str:
     """The run's KV manager in one line, from its engine arguments (:meth:`EngineConfig.to_dict`): allocator and
     block size, prefix caching and its eviction policy, the compaction trigger and its threshold (the default one
     when none was given)."""
-    from workbench.allocators.defrag import DEFAULT_THRESHOLDS
+    from workbench.kv.defrag import DEFAULT_THRESHOLDS
 
     parts = [f"{cfg.get('kv_allocator')}, block_size {cfg.get('block_size')}"]
     if cfg.get("enable_prefix_caching"):

@@ -13,12 +13,13 @@ import sys
 
 import click
 
-from workbench.bench.serve_cli import bench_serve_command
-from workbench.cli_options import engine_args as _engine_args
-from workbench.cli_options import engine_options, kv_figure_rows, kv_manager_line, parse_bytes
+from workbench.cli.bench_serve import bench_serve_command
+from workbench.cli.errors import user_errors
+from workbench.cli.kv_calc import kv_calc_command
+from workbench.cli.options import engine_args as _engine_args
+from workbench.cli.options import engine_options, kv_figure_rows, kv_manager_line, parse_bytes
+from workbench.cli.simulate import simulate_command
 from workbench.config import BATCHING_POLICIES, CONTIGUOUS_ALLOCATORS, KV_ALLOCATORS
-from workbench.kvcalc_cli import kv_calc_command
-from workbench.sim.cli import simulate_command
 
 __all__ = ["main", "engine_options", "parse_bytes"]  # the engine options are generated from EngineConfig
 
@@ -85,7 +86,7 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
     options = {k: v for k, v in options.items() if v is not None}
     if "scan_len" in options and not options.get("scan_every"):
         raise click.UsageError("--prefix-repetition-scan-len has no effect without --prefix-repetition-scan-every N")
-    try:
+    with user_errors():
         res = run_job(
             dataset=dataset,
             dataset_options=options or None,  # run_job refuses them with another dataset
@@ -98,8 +99,6 @@ def run(dataset, num_prompts, max_tokens, temperature, top_p, top_k, ignore_eos,
             output_dir=output_dir,
             **_engine_args(kw),
         )
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
     s = res.summary
     steps = res.recorder.steps
     pre_rc = sum(x.num_preempted_recompute for x in steps)
@@ -210,7 +209,7 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
     from workbench.bench.compare import compare as run_compare
 
     console = Console(width=max(130, Console().width))  # the table's 9 columns, also when piped
-    try:
+    with user_errors():
         res = run_compare(
             allocators=[a.strip() for a in allocators.split(",") if a.strip()],
             batching_policies=[p.strip() for p in policies.split(",") if p.strip()],
@@ -221,8 +220,6 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
             true_output_lens=true_output_lens,
             **_engine_args(kw),
         )
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
     t = Table(title="workbench compare: where the KV pool went (share of occupied memory)")
     for c in (
         "variant",
@@ -312,14 +309,13 @@ def serve(model_tag, host, port, served_model_name, graceful_shutdown_timeout, l
     if model_tag is not None:
         args["model"] = model_tag
     try:
-        run_server(
-            args, host, port, served_model_name, log_level, graceful_shutdown_timeout, api_key, enable_admin_api,
-            max_request_body_bytes,
-        )  # fmt: skip
+        with user_errors():
+            run_server(
+                args, host, port, served_model_name, log_level, graceful_shutdown_timeout, api_key, enable_admin_api,
+                max_request_body_bytes,
+            )  # fmt: skip
     except EngineDeadError as e:
         raise click.ClickException(f"{e}; the server has stopped (exit status 1)") from None
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
 
 
 @main.command(short_help="Start JupyterLab on the course's chapter notebooks (labs/).")
@@ -397,15 +393,11 @@ def bench_compare(baseline, new, latency_threshold, throughput_threshold, html_p
 
     from workbench.bench.regression import compare_results, load_results
 
-    try:
+    with user_errors(exit_code=2):  # bad input; 1 is a regression
         report = compare_results(
             load_results(baseline), load_results(new), latency_threshold, throughput_threshold,
             allow_workload_mismatch=allow_workload_mismatch,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError) as e:
-        bad = click.ClickException(str(e))
-        bad.exit_code = 2  # bad input; 1 is a regression
-        raise bad from None
     console = Console(width=max(120, Console().width))
     console.print(str(report.table()), markup=False, highlight=False, soft_wrap=True)
     for r in report.regressions:
@@ -422,9 +414,9 @@ def bench_compare(baseline, new, latency_threshold, throughput_threshold, html_p
     sys.exit(0 if report.passed else 1)
 
 
-bench.add_command(bench_serve_command)  # `workbench bench serve`; its options live in workbench.bench.serve_cli
-main.add_command(kv_calc_command)  # `workbench kv-calc`; its options live in workbench.kvcalc_cli
-main.add_command(simulate_command)  # `workbench simulate`; its options live in workbench.sim.cli
+bench.add_command(bench_serve_command)  # `workbench bench serve`; its options live in workbench.cli.bench_serve
+main.add_command(kv_calc_command)  # `workbench kv-calc`; its options live in workbench.cli.kv_calc
+main.add_command(simulate_command)  # `workbench simulate`; its options live in workbench.cli.simulate
 
 
 if __name__ == "__main__":

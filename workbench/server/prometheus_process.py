@@ -6,7 +6,7 @@ another binary with ``WORKBENCH_PROMETHEUS=/path/to/prometheus``), with the aler
 (``/api/v1/query``, ``/api/v1/query_range``, ``/api/v1/alerts``; https://prometheus.io/docs/prometheus/latest/querying/api/)::
 
     from workbench.server.launcher import ServerProcess
-    from workbench.server.prometheus import PrometheusProcess
+    from workbench.server.prometheus_process import PrometheusProcess
     with ServerProcess() as srv, PrometheusProcess([srv.base_url]) as prom:
         prom.wait_for_scrape()
         prom.query('vllm:num_requests_running')      # [{"metric": {...}, "value": [t, "0"]}]

@@ -1,6 +1,6 @@
 """Static PNG images of the labs' figures, drawn from real runs, for the README and reports.
 
-    python -m workbench.labs.figures docs/img
+    python -m workbench.labs.static_figures docs/img
 
 Runs chapter 2's comparison (the lab trace through the paged and four contiguous allocators on
 the bundled model) and writes ``waste_bars.png``, ``memory_timeline_paged.png``,

@@ -9,6 +9,7 @@ import click
 import torch
 
 from workbench.catalog import GPUS, MODELS
+from workbench.cli.errors import user_errors
 from workbench.kvcalc import KV_DTYPES, WEIGHT_DTYPES, KVCalcResult, fmt_bytes, kv_calc
 from workbench.memory import kv_bytes_per_token
 
@@ -227,7 +228,7 @@ def kv_calc_command(
             "give a MODEL: a catalogue name (workbench kv-calc --list), a config.json, an HF model folder "
             "or a .gguf file"
         )
-    try:
+    with user_errors():
         res = kv_calc(
             model,
             dtype=dtype,
@@ -242,8 +243,6 @@ def kv_calc_command(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
         )
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps(res.to_dict(), indent=2, default=str))
         if res.fits is False:

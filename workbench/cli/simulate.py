@@ -6,7 +6,8 @@ import json
 
 import click
 
-from workbench.cli_options import engine_args, engine_options, kv_figure_rows, kv_manager_line
+from workbench.cli.errors import user_errors
+from workbench.cli.options import engine_args, engine_options, kv_figure_rows, kv_manager_line
 from workbench.units import parse_size
 
 
@@ -166,7 +167,7 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
             "--nccl-nchannels sets the channel count of the buffer model directly; --nccl-min-nchannels / "
             "--nccl-max-nchannels bound NCCL's own choice: give one or the other"
         )
-    try:
+    with user_errors():
         spec = _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels,
                      calibration)  # fmt: skip
         trace = make_trace(request_rate, duration, dataset, arrival, seed)
@@ -174,8 +175,6 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
                 "seed": seed, "num_requests": len(trace)}  # fmt: skip
         res = simulate_job(spec, trace, output_dir=output_dir, run_name=run_name, progress=progress,
                            record_itl=itl, window_s=window, trace_info=info, max_tokens=max_tokens, **args)  # fmt: skip
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
     s = res.summary
     eng = res.engine
 
@@ -229,10 +228,8 @@ def _calibrate(console, gpu, train, test, out) -> None:
         raise click.UsageError(
             "--calibrate needs at least one real run folder: --train runs/<folder> (write them with workbench run)"
         )
-    try:
+    with user_errors():
         cal = calibrate(list(train), list(test), find_hardware(gpu))
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
     path = cal.save(out or Path("runs") / f"calibration-{cal.hardware.name}.json")
     e = cal.efficiency
     console.print(
