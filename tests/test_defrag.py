@@ -448,7 +448,7 @@ def test_a_pass_never_runs_in_a_step_that_swaps_in():
 
 
 def test_the_run_tables_name_the_kv_manager_and_show_the_compaction_figures():
-    """What `workbench run` and `workbench simulate` print about the KV manager (cli_options)."""
+    """What `workbench run` and `workbench simulate` print about the KV manager (workbench.cli.options)."""
     from workbench.cli.options import kv_figure_rows, kv_manager_line
 
     cfg = EngineConfig(kv_allocator="orca-max", kv_defrag_trigger="fragmentation").to_dict()

@@ -37,7 +37,6 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "outputs",
         "plugins",
         "catalog",
-        "allocators",
     ),
     # what the model and the engine core build on: attention backends and kernels, communication
     # counters, step statistics, the scheduler (over kv/), the sampler and its operations (penalties,
@@ -53,7 +52,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     # the engine: scheduler + KV manager + executor + metrics
     5: ("engine",),
     # everything built on the engine, and the facade
-    6: ("server", "sim", "bench", "viz", "labs", "cli", "cli_options", "kvcalc_cli", "entrypoints", "__init__"),
+    6: ("server", "sim", "bench", "viz", "labs", "cli", "entrypoints", "__init__"),
 }
 
 
