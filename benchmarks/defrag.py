@@ -35,7 +35,7 @@ TRIGGERS = ("none", "fragmentation", "waiting", "highest-block")
 
 
 def _sim(allocator: str, trigger: str, rate: float, duration: float, num_blocks: int, max_tokens: int, seed: int):
-    from workbench.labs.compaction import sim_trigger_row  # chapter 13 shows the same rows
+    from workbench.labs.ch13_defragmentation import sim_trigger_row  # chapter 13 shows the same rows
 
     return sim_trigger_row(allocator, trigger, rate, duration, num_blocks, max_tokens, seed)
 

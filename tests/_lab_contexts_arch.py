@@ -1,7 +1,7 @@
 """Contexts and known wrong answers of the stage-4 chapters' exercises (chapter 14: memory beside the KV
 cache), for tests/test_labs.py."""
 
-# 14.1: Llama-2-70B on 8 x H100-80GB, block_size 16 (workbench.labs.rank_memory.custom_ar_exercise;
+# 14.1: Llama-2-70B on 8 x H100-80GB, block_size 16 (workbench.labs.ch14_memory_beside_kv.custom_ar_exercise;
 # tests/test_labs_arch.py checks these figures against the simulated engine)
 EX_14_1 = {
     "config": {"model": "llama-2-70b", "gpu": "H100-80GB", "tensor_parallel_size": 8, "block_size": 16},
@@ -20,15 +20,15 @@ WRONG: dict = {
     ],
 }
 
-# 11.1: the learner's allocator class, through the conformance check (workbench.labs.own_allocator)
-from workbench.labs.own_allocator import EXERCISE_CONTEXT as _EX_11_1  # noqa: E402
-from workbench.labs.own_allocator import DoubleHandNextFit as _DoubleHand  # noqa: E402
-from workbench.labs.own_allocator import LeakyNextFit as _Leaky  # noqa: E402
+# 11.1: the learner's allocator class, through the conformance check (workbench.labs.ch11_your_own_allocator)
+from workbench.labs.ch11_your_own_allocator import EXERCISE_CONTEXT as _EX_11_1  # noqa: E402
+from workbench.labs.ch11_your_own_allocator import DoubleHandNextFit as _DoubleHand  # noqa: E402
+from workbench.labs.ch11_your_own_allocator import LeakyNextFit as _Leaky  # noqa: E402
 
 CONTEXTS["11.1"] = dict(_EX_11_1)
 WRONG["11.1"] = [_Leaky, _DoubleHand, "next-fit", dict]
 
-# 12.1: the hand-built pool events of workbench.labs.eviction (8 blocks; the next request needs 3)
+# 12.1: the hand-built pool events of workbench.labs.ch12_eviction_policies (8 blocks; the next request needs 3)
 EX_12_1 = {
     "events": [
         ("alloc", "A", ["sys 0", "sys 1", "A own"]),
@@ -52,7 +52,7 @@ WRONG["12.1"] = [
     [2, 3, 1],
 ]
 
-# 13.1: a contiguous pool of 24 blocks (workbench.labs.compaction.EXERCISE_13_1): regions slide down until a run
+# 13.1: a contiguous pool of 24 blocks (workbench.labs.ch13_defragmentation.EXERCISE_13_1): regions slide down until a run
 # of 5 opens — a to 0..3 (4 moves), b to 4..6 (3 moves): 7 blocks; packing everything would move 14
 EX_13_1 = {
     "regions": [[2, 4, "a"], [8, 3, "b"], [13, 5, "c"], [20, 2, "d"]],

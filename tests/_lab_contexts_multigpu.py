@@ -8,7 +8,7 @@ STEPS_9_1 = [
     for i, (p, d) in enumerate([(171, 0), (0, 4), (0, 2), (0, 1)])
 ]
 
-# 10.1: Llama-2-70B on 4 x H100-80GB, 24 channels of 8 MiB + LL + LL128 (workbench.labs.nccl_buffers.buffer_exercise;
+# 10.1: Llama-2-70B on 4 x H100-80GB, 24 channels of 8 MiB + LL + LL128 (workbench.labs.ch10_nccl_buffers.buffer_exercise;
 # tests/test_labs_multigpu.py checks these figures against the simulated engine)
 EX_10_1 = {
     "config": {

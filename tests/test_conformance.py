@@ -11,7 +11,7 @@ from workbench.config import EngineConfig
 from workbench.conformance import Schedule, ScheduleRequest, check_kv_manager, run_schedule
 from workbench.kv import make_kv_manager
 from workbench.kv.interface import KVManager
-from workbench.labs.own_allocator import DoubleHandNextFit, LeakyNextFit, NextFitKVManager, register_allocator
+from workbench.labs.ch11_your_own_allocator import DoubleHandNextFit, LeakyNextFit, NextFitKVManager, register_allocator
 
 
 @pytest.mark.parametrize(
@@ -157,6 +157,6 @@ def test_a_skeleton_with_open_todos_is_unanswered(capsys):
 
     assert not labs.check("11.1", Skeleton, schedules=5, seed=0)
     assert "not answered yet" in capsys.readouterr().out
-    from workbench.labs.own_allocator import finished
+    from workbench.labs.ch11_your_own_allocator import finished
 
     assert finished(Skeleton) is NextFitKVManager and finished(LowestFirstKVManager) is LowestFirstKVManager

@@ -131,7 +131,7 @@ def test_memory_timeline_legend_clear_of_the_right_axis():
 
 
 def test_sweep_heatmap_colour_ranges():
-    from workbench.labs.sweep import heatmap_figure
+    from workbench.labs.ch07_parameter_matrix import heatmap_figure
 
     grid = {"max_num_seqs": [4, 8]}
     rows = [

@@ -1,4 +1,4 @@
-"""Chapter 14's library (workbench.labs.rank_memory): the custom all-reduce model, one rank's memory on a
+"""Chapter 14's library (workbench.labs.ch14_memory_beside_kv): the custom all-reduce model, one rank's memory on a
 real TP engine, the modelled GPU breakdown against the simulated engine's own budget, and the panel."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from workbench import labs
 from workbench.comm import CUSTOM_AR_MAX_SIZE, custom_all_reduce_bytes, nccl_buffer_bytes
 from workbench.labs import ch09_tensor_parallelism as tpl
-from workbench.labs import nccl_buffers as ncb
-from workbench.labs import rank_memory as rm
+from workbench.labs import ch10_nccl_buffers as ncb
+from workbench.labs import ch14_memory_beside_kv as rm
 
 MiB = 1 << 20
 
@@ -142,7 +142,7 @@ def test_rank_memory_panel_runs_and_names_bad_values():
 
 # ---------------------------------------------------------------- chapter 13: defragmentation
 def test_exercise_13_1_context_and_plan():
-    from workbench.labs import compaction as cp
+    from workbench.labs import ch13_defragmentation as cp
 
     assert cp.EXERCISE_13_1 == ctx.EX_13_1
     assert labs.solution("13.1", **ctx.EX_13_1) == 7
@@ -152,7 +152,7 @@ def test_exercise_13_1_context_and_plan():
 
 
 def test_compaction_on_a_tiny_engine_records_passes_and_maps(tiny_model):
-    from workbench.labs import compaction as cp
+    from workbench.labs import ch13_defragmentation as cp
 
     records = [
         r.__class__(list(range(3, 3 + 20 + 7 * (i % 3))), False, r.id, n, n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workbench import labs
-from workbench.labs import case_study as cs
+from workbench.labs import ch15_case_study as cs
 
 
 @pytest.fixture(scope="module")

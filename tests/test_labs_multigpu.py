@@ -1,4 +1,4 @@
-"""Chapters 9 and 10's library (workbench.labs.ch09_tensor_parallelism, workbench.labs.nccl_buffers): real TP runs on a tiny model, the simulator
+"""Chapters 9 and 10's library (workbench.labs.ch09_tensor_parallelism, workbench.labs.ch10_nccl_buffers): real TP runs on a tiny model, the simulator
 grids, the buffer arithmetic against the engine's own budget, and the panels."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from workbench import labs
 from workbench.comm import nccl_buffer_bytes
 from workbench.labs import ch09_tensor_parallelism as tpl
-from workbench.labs import nccl_buffers as ncb
+from workbench.labs import ch10_nccl_buffers as ncb
 
 MiB = 1 << 20
 

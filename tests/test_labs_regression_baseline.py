@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workbench import labs
-from workbench.labs import regression_baseline as rb
+from workbench.labs import ch18_regression_baseline as rb
 
 
 @pytest.fixture(scope="module")

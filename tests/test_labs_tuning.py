@@ -9,7 +9,8 @@ import pytest
 
 from workbench import labs
 from workbench.bench.datasets import PromptRecord
-from workbench.labs import chunked, sweep
+from workbench.labs import ch07_parameter_matrix as sweep
+from workbench.labs import ch08_chunked_prefill as chunked
 from workbench.labs.exercises_tuning import best_under_target, reference_prefill_chunks
 
 
@@ -289,7 +290,7 @@ def test_chapter_modules_are_reached_from_the_package():
 
     from workbench import labs
 
-    for name in ("sweep", "chunked", "ch09_tensor_parallelism", "nccl_buffers", "multigpu_common", "chapters"):
+    for name in ("ch07_parameter_matrix", "ch08_chunked_prefill", "ch09_tensor_parallelism", "ch10_nccl_buffers", "multigpu_common", "chapters"):
         assert getattr(labs, name) is importlib.import_module(f"workbench.labs.{name}")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         labs.nope  # noqa: B018

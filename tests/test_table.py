@@ -84,8 +84,10 @@ def test_a_table_of_labelled_values_has_no_header():
 
 # ---------------------------------------------------------------- the labs' tables
 def test_lab_tables_keep_their_values_and_units():
+    from workbench.labs import ch07_parameter_matrix as sweep
+    from workbench.labs import ch08_chunked_prefill as chunked
+    from workbench.labs import ch10_nccl_buffers as nccl_buffers
     from workbench.labs import chapters as ch
-    from workbench.labs import chunked, nccl_buffers, sweep
     from workbench.labs.panel import summary_card
 
     kv = ch.kv_table(["llama-2-7b"])

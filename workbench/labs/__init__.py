@@ -6,27 +6,27 @@
 - :mod:`workbench.labs.exercises` — self-checking exercises (:func:`check`, from
   :mod:`workbench.labs.exercise_registry`), solutions verified;
 - :mod:`workbench.labs.chapters` — each chapter's measurements and figures (chapters 1-6);
-- :mod:`workbench.labs.sweep` — chapter 7: the parameter matrix (:class:`~workbench.labs.sweep.SweepPanel`,
+- :mod:`workbench.labs.ch07_parameter_matrix` — chapter 7: the parameter matrix (:class:`~workbench.labs.ch07_parameter_matrix.SweepPanel`,
   real and simulated sweeps, heatmaps);
-- :mod:`workbench.labs.chunked` — chapter 8: chunked prefill and the ITL / TTFT trade-off;
+- :mod:`workbench.labs.ch08_chunked_prefill` — chapter 8: chunked prefill and the ITL / TTFT trade-off;
 - :mod:`workbench.labs.ch09_tensor_parallelism` — chapter 9: tensor parallelism, real and simulated;
-- :mod:`workbench.labs.nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
+- :mod:`workbench.labs.ch10_nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
   (what both share: :mod:`workbench.labs.multigpu_common`);
-- :mod:`workbench.labs.eviction` — chapter 12: eviction policies for shared prefixes (real and simulated runs
-  per policy, the free queue, :class:`~workbench.labs.eviction.EvictionPanel`; a notebook's own policy class
+- :mod:`workbench.labs.ch12_eviction_policies` — chapter 12: eviction policies for shared prefixes (real and simulated runs
+  per policy, the free queue, :class:`~workbench.labs.ch12_eviction_policies.EvictionPanel`; a notebook's own policy class
   registered by :func:`workbench.plugins.register_class`);
-- :mod:`workbench.labs.compaction` — chapter 13: KV defragmentation by block copies, cost against benefit;
-- :mod:`workbench.labs.rank_memory` — chapter 14: memory beside the KV cache on every rank (measured on
+- :mod:`workbench.labs.ch13_defragmentation` — chapter 13: KV defragmentation by block copies, cost against benefit;
+- :mod:`workbench.labs.ch14_memory_beside_kv` — chapter 14: memory beside the KV cache on every rank (measured on
   a TP=3 engine, modelled for 4-8 GPUs, a slider panel);
-- :mod:`workbench.labs.case_study` — chapter 15: the 70B case study replayed in the simulator, hypothesis by hypothesis;
-- :mod:`workbench.labs.load_testing` — chapter 16: load testing a real ``workbench serve`` with ``bench serve``;
-- :mod:`workbench.labs.monitoring` — chapter 17: a real Prometheus scraping the server, alerts, the alert-to-action loop;
-- :mod:`workbench.labs.regression_baseline` — chapter 18: a performance regression baseline and ``bench compare``;
-- :mod:`workbench.labs.own_allocator` — chapter 11: your own allocator (a skeleton's reference solution, buggy
+- :mod:`workbench.labs.ch15_case_study` — chapter 15: the 70B case study replayed in the simulator, hypothesis by hypothesis;
+- :mod:`workbench.labs.ch16_load_testing` — chapter 16: load testing a real ``workbench serve`` with ``bench serve``;
+- :mod:`workbench.labs.ch17_monitoring_and_alerting` — chapter 17: a real Prometheus scraping the server, alerts, the alert-to-action loop;
+- :mod:`workbench.labs.ch18_regression_baseline` — chapter 18: a performance regression baseline and ``bench compare``;
+- :mod:`workbench.labs.ch11_your_own_allocator` — chapter 11: your own allocator (a skeleton's reference solution, buggy
   variants, the scheduler's call trace, side-by-side runs); :func:`register_allocator` plugs a class defined in a
   notebook cell in by name.
 
-The chapter modules are loaded on first use (``labs.sweep`` works after ``from workbench import labs``).
+The chapter modules are loaded on first use (``labs.ch07_parameter_matrix`` works after ``from workbench import labs``).
 """
 
 from workbench.labs.exercises import EXERCISES, check, solution
@@ -49,20 +49,20 @@ __all__ = [
 
 #: chapter modules, imported on first use (they import plotly, widgets, the simulator)
 _MODULES = (
-    "case_study",
+    "ch15_case_study",
     "chapters",
-    "chunked",
-    "eviction",
-    "load_testing",
-    "monitoring",
-    "compaction",
+    "ch08_chunked_prefill",
+    "ch12_eviction_policies",
+    "ch16_load_testing",
+    "ch17_monitoring_and_alerting",
+    "ch13_defragmentation",
     "multigpu_common",
-    "nccl_buffers",
-    "own_allocator",
+    "ch10_nccl_buffers",
+    "ch11_your_own_allocator",
     "panel",
-    "rank_memory",
-    "regression_baseline",
-    "sweep",
+    "ch14_memory_beside_kv",
+    "ch18_regression_baseline",
+    "ch07_parameter_matrix",
     "ch09_tensor_parallelism",
 )
 
@@ -73,7 +73,7 @@ def __getattr__(name):  # the panel imports ipywidgets: only when asked for
 
         return RunPanel
     if name == "register_allocator":  # chapter 11's: a notebook's KVManager class, loadable by name
-        from workbench.labs.own_allocator import register_allocator
+        from workbench.labs.ch11_your_own_allocator import register_allocator
 
         return register_allocator
     if name in _MODULES:

@@ -71,7 +71,7 @@ class _CustomArBlocks:
 class _OwnAllocator:
     @staticmethod
     def solution(schedules: int, seed: int):
-        from workbench.labs.own_allocator import NextFitKVManager
+        from workbench.labs.ch11_your_own_allocator import NextFitKVManager
 
         return NextFitKVManager
 
@@ -96,7 +96,7 @@ class _OwnAllocator:
 
 # ---------------------------------------------------------------- chapter 12: eviction policies for shared prefixes
 def _victims(events, num_blocks: int, need: int) -> dict[str, list[int]]:
-    from workbench.labs.eviction import next_victims
+    from workbench.labs.ch12_eviction_policies import next_victims
 
     return {p: next_victims(p, events, num_blocks, need) for p in ("lru", "fifo", "lfu")}
 

@@ -123,7 +123,7 @@ class _WhichHypotheses:
 
 # ---------------------------------------------------------------- chapter 16: load testing
 def _knee16(rows: list, frac: float) -> float | None:
-    from workbench.labs.load_testing import knee
+    from workbench.labs.ch16_load_testing import knee
 
     return knee(rows, frac)
 
@@ -169,7 +169,7 @@ class _Knee:
 
 
 def _good16(ttfts: list, tpots: list, slo_ttft_s: float, slo_tpot_s: float) -> float:
-    from workbench.labs.load_testing import goodput_fraction
+    from workbench.labs.ch16_load_testing import goodput_fraction
 
     return goodput_fraction(ttfts, tpots, slo_ttft_s, slo_tpot_s)
 

@@ -3,7 +3,7 @@ Megatron-style split of a catalogue model on named GPUs with NVLink or PCIe link
 and the base of their panels (widgets named like the engine arguments, a Run button, a plot).
 
 The chapters' own code is in :mod:`workbench.labs.ch09_tensor_parallelism` (chapter 9) and
-:mod:`workbench.labs.nccl_buffers` (chapter 10); both re-export what they use from here.
+:mod:`workbench.labs.ch10_nccl_buffers` (chapter 10); both re-export what they use from here.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ shrunk or shared, and what each byte buys back in KV blocks and concurrent seque
 all-reduce message against a custom all-reduce's ``max_size`` (:func:`message_rows`), and the
 processes' resident memory (:func:`process_memory_rows`; it varies from run to run).
 
-*Modelled for 4-8 GPUs* (the simulated engine's budget, :func:`workbench.labs.nccl_buffers.sim_budget`,
+*Modelled for 4-8 GPUs* (the simulated engine's budget, :func:`workbench.labs.ch10_nccl_buffers.sim_budget`,
 the same arithmetic as ``workbench kv-calc``): a per-rank breakdown (:func:`gpu_rank_rows`) —
 weights, activation workspace, NCCL buffers (:func:`workbench.comm.nccl_buffer_bytes`), the custom
 all-reduce's IPC buffers (:func:`workbench.comm.custom_all_reduce_bytes`), a CUDA graph pool
@@ -30,7 +30,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.labs.multigpu_common import MiB, _Panel, sim_run_row
-from workbench.labs.nccl_buffers import long_trace, sim_budget
+from workbench.labs.ch10_nccl_buffers import long_trace, sim_budget
 from workbench.viz.common import BUDGET_COLOURS
 from workbench.viz.table import Column, Table
 
