@@ -118,7 +118,9 @@ def test_after_shutdown_generate_raises():
 
 
 def test_health_reports_a_stalled_engine_loop(engine):
-    """A loop that makes no progress (here: a call that blocks the engine thread) turns /health to 503."""
+    """A loop that makes no progress (here: a call that blocks the engine thread until released) turns
+    /health to 503, and back to 200 once it moves again. The block lasts until the test has seen the 503,
+    so how busy the machine is decides nothing."""
     import threading
     import time
 
@@ -128,11 +130,20 @@ def test_health_reports_a_stalled_engine_loop(engine):
 
     app = build_app(engine, "m", health_stall_s=1.0)
     client = TestClient(app)  # (not entered: the lifespan would shut the shared engine down)
-    assert client.get("/health").status_code == 200
-    blocker = threading.Thread(target=engine.call, args=(lambda e: time.sleep(2.5),), kwargs={"timeout": 10})
+    release = threading.Event()
+    blocker = threading.Thread(target=engine.call, args=(lambda e: release.wait(120),), kwargs={"timeout": 180})
+
+    def wait_for(status: int) -> None:
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != status:
+            assert time.monotonic() < deadline, f"/health never answered {status}"
+            time.sleep(0.1)
+
+    wait_for(200)
     blocker.start()
-    time.sleep(1.6)
-    assert client.get("/health").status_code == 503
-    blocker.join()
-    time.sleep(0.6)
-    assert client.get("/health").status_code == 200
+    try:
+        wait_for(503)
+    finally:
+        release.set()
+        blocker.join()
+    wait_for(200)
