@@ -2,109 +2,26 @@
 
 from __future__ import annotations
 
-import _lab_contexts_arch
-import _lab_contexts_multigpu
-import _lab_contexts_production
-import _lab_contexts_tuning
 import pytest
+from lab_contexts import CONTEXTS, WRONG
+from lab_contexts.ch04 import BATCH
+from lab_contexts.common import _step
 
 from workbench import labs
-from workbench.labs import chapters as ch
-from workbench.labs import exercises as ex
+from workbench.labs import exercise_registry as ex
+from workbench.labs.ch01_kv_cache_anatomy import claims_check
+from workbench.labs.ch04_paged_attention_inside import live_batch, reference_slot
+from workbench.labs.ch05_batching_strategies import padded_slots, spread_lengths
+from workbench.labs.runs import lab_engine
 
-
-def _step(**kw):
-    base = dict(
-        step=0,
-        num_blocks=4,
-        block_size=4,
-        token_states=6,
-        reservation=2,
-        internal_fragmentation=1,
-        external_fragmentation=3,
-        free=4,
-        kv_bytes_per_token=10,
-        swap_out_blocks=0,
-        swap_in_blocks=0,
-    )
-    base.update(kw)
-    base["fragmentation_rate"] = ex.reference_fragmentation_rate(base)
-    return base
-
-
-MEMORY = {
-    "num_blocks": 1804,
-    "block_size": 16,
-    "kv_pool_tokens": 1804 * 16,
-    "kv_pool_bytes": 1804 * 16 * 46080,
-    "kv_budget_bytes": 1804 * 16 * 46080 + 1000,
-    "block_bytes": 16 * 46080,
-}
-BATCH = [
-    {"request_id": "a", "block_table": [7, 2, 9], "block_size": 16, "positions": [0, 17, 35], "slots": [112, 33, 147]},
-    {"request_id": "b", "block_table": [4], "block_size": 16, "positions": [5], "slots": [69]},
-]
-ROWS = [
-    {"run": "paged", "external_fragmentation": 0.0},
-    {"run": "orca-pow2", "external_fragmentation": 0.12},
-    {"run": "static", "external_fragmentation": 0.01},
-]
-CASES = [
-    {"prompt_len": 47, "true_len": 30, "max_tokens": 96, "max_model_len": 256},
-    {"prompt_len": 136, "true_len": 5, "max_tokens": 96, "max_model_len": 256},
-    {"prompt_len": 200, "true_len": 17, "max_tokens": 96, "max_model_len": 256},  # orca-max capped by max_model_len
-]
-SHARING = [{"n": 4, "prefix_tokens": 40, "block_size": 16, "blocks_saved": 6}]
-STEPS = [_step(), _step(step=1, reservation=0, free=6, swap_out_blocks=2), _step(step=2, swap_in_blocks=2)]
-
-CONTEXTS = {
-    "1.1": {},
-    "1.2": {},
-    "1.3": {"memory": MEMORY},
-    "2.1": {"steps": STEPS},
-    "2.2": {"rows": ROWS},
-    "2.3": {"cases": CASES},
-    "3.1": {"memory": MEMORY},
-    "3.2": {"steps": STEPS},
-    "4.1": {"batch": BATCH},
-    "4.2": {},
-    "5.1": {"lengths": ch.spread_lengths(16, 128, 2048)},
-    "6.1": {"runs": SHARING},
-    "6.2": {"steps": STEPS},
-}
-WRONG = {
-    "1.1": [800, 409_600, 20_480, "819200"],
-    "1.2": [
-        lambda c, b: (
-            2 * c["num_hidden_layers"] * c["num_attention_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * b
-        )
-    ],
-    "1.3": [MEMORY["kv_pool_tokens"] / 4096, 3],
-    "2.1": [lambda s: (s["reservation"] + s["internal_fragmentation"]) / (s["num_blocks"] * s["block_size"])],
-    "2.2": ["paged", "static", "nonsense"],
-    "2.3": [
-        lambda a, p, t, m, ml: ml if a == "static" else p + m,  # every orca reserves the cap
-        lambda a, p, t, m, ml: {"static": ml, "orca-max": p + m}.get(a, p + t),  # orca-max not capped, pow2 = oracle
-        lambda a, p, t, m, ml: {"static": ml, "orca-max": min(p + m, ml), "orca-pow2": p + 2 * t}.get(a, p + t),
-    ],
-    "3.1": [MEMORY["kv_budget_bytes"], MEMORY["num_blocks"]],
-    "3.2": [lambda s: s["reservation"] + s["internal_fragmentation"] + s["external_fragmentation"]],
-    "4.1": [lambda t, b, p: t[p // b] + p % b],
-    "4.2": [2, 16],
-    "5.1": [37.5, 0.58],
-    "6.1": [lambda n, p, b: n * (p // b), lambda n, p, b: (n - 1) * p / b],
-    "6.2": [4, 0],
-}
-for _stage3 in (_lab_contexts_tuning, _lab_contexts_multigpu, _lab_contexts_arch, _lab_contexts_production):  # 7-18
-    CONTEXTS.update(_stage3.CONTEXTS)
-    WRONG.update(_stage3.WRONG)
+EXERCISES = ex.load_all()
 
 
 def test_every_exercise_has_a_context_and_wrong_answers():
-    assert set(CONTEXTS) == set(ex.EXERCISES) == set(WRONG)
+    assert set(CONTEXTS) == set(EXERCISES) == set(WRONG)
 
 
-@pytest.mark.parametrize("eid", sorted(ex.EXERCISES))
+@pytest.mark.parametrize("eid", sorted(EXERCISES))
 def test_solution_passes_and_wrong_answers_fail(eid, capsys):
     ctx = CONTEXTS[eid]
     assert labs.check(eid, labs.solution(eid, **ctx), **ctx)
@@ -114,7 +31,7 @@ def test_solution_passes_and_wrong_answers_fail(eid, capsys):
         assert "not yet" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("eid", sorted(ex.EXERCISES))
+@pytest.mark.parametrize("eid", sorted(EXERCISES))
 def test_unanswered_shows_the_question_and_solutions_mode_answers(eid, capsys, monkeypatch):
     ctx = CONTEXTS[eid]
     monkeypatch.delenv("WORKBENCH_LAB_SOLUTIONS", raising=False)
@@ -152,10 +69,10 @@ def test_unknown_exercise_names_the_known_ones():
 
 
 def test_padding_figures_of_the_58_percent_claim():
-    lengths = ch.spread_lengths(16, 128, 2048)
+    lengths = spread_lengths(16, 128, 2048)
     assert lengths[0] == 128 and lengths[-1] == 2048 and len(lengths) == 16
-    assert ex.padded_slots(lengths) == 16 * 2048
-    assert ex.padded_slots(lengths, 4) == 4 * (512 + 1024 + 1536 + 2048)
+    assert padded_slots(lengths) == 16 * 2048
+    assert padded_slots(lengths, 4) == 4 * (512 + 1024 + 1536 + 2048)
     assert labs.solution("5.1", lengths=lengths) == pytest.approx(0.375)
 
 
@@ -171,7 +88,7 @@ def test_lab_trace_is_seeded_and_long_tailed():
 
 @pytest.mark.slow
 def test_claims_check_measures_and_corrects(bundled_llm):
-    rows = ch.claims_check()
+    rows = claims_check()
     assert "819,200 B" in rows[0]["measured"] and rows[0]["verdict"].startswith("wrong by 20x")
     assert all(r["verdict"].startswith("wrong") for r in rows)
 
@@ -202,16 +119,16 @@ def test_lab_run_and_panel_on_a_tiny_model(tiny_model):
 
 
 def test_live_batch_slot_mapping_matches_the_reference(tiny_model):
-    llm = ch.lab_engine(model=str(tiny_model), max_model_len=128, num_gpu_blocks_override=32)
+    llm = lab_engine(model=str(tiny_model), max_model_len=128, num_gpu_blocks_override=32)
     trace = labs.lab_trace(3, mean_output=4, max_output=6)
     records = [
         r.__class__(list(range(3, 3 + 20 + 7 * i)), False, r.id, r.max_tokens, r.output_len)
         for i, r in enumerate(trace)
     ]
-    batch = ch.live_batch(llm, records, num_steps=3)
+    batch = live_batch(llm, records, num_steps=3)
     flat = [r for step in batch for r in step]
     assert {r["phase"] for r in flat} == {"prefill", "decode"}
-    assert labs.check("4.1", ex.reference_slot, batch=flat)
+    assert labs.check("4.1", reference_slot, batch=flat)
     # the engine really wrote the slots the batch reports (the executor's slot mapping)
     assert all(len(r["positions"]) == len(r["slots"]) for r in flat)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 
-import _lab_contexts_arch as ctx
 import pytest
 import torch
+from lab_contexts.ch13 import EX_13_1
+from lab_contexts.ch14 import EX_14_1
 
 from workbench import labs
 from workbench.comm import CUSTOM_AR_MAX_SIZE, custom_all_reduce_bytes, nccl_buffer_bytes
@@ -77,7 +78,7 @@ def test_gpu_rank_rows_add_up_and_buy_back_what_they_free():
 
 def test_exercise_14_1_context_is_the_engines_budget():
     ex = rm.custom_ar_exercise()
-    assert ex == ctx.EX_14_1  # the test context is the simulated engine's figure, not a copy gone stale
+    assert ex == EX_14_1  # the test context is the simulated engine's figure, not a copy gone stale
     assert labs.solution("14.1", **ex) == ex["engine_num_blocks"] - ex["budget"]["num_blocks"]
 
 
@@ -144,10 +145,10 @@ def test_rank_memory_panel_runs_and_names_bad_values():
 def test_exercise_13_1_context_and_plan():
     from workbench.labs import ch13_defragmentation as cp
 
-    assert cp.EXERCISE_13_1 == ctx.EX_13_1
-    assert labs.solution("13.1", **ctx.EX_13_1) == 7
-    snap = cp.regions_map(ctx.EX_13_1["regions"], 24, 5)
-    assert cp.regions_of(snap) == [tuple(r) for r in ctx.EX_13_1["regions"]]
+    assert cp.EXERCISE_13_1 == EX_13_1
+    assert labs.solution("13.1", **EX_13_1) == 7
+    snap = cp.regions_map(EX_13_1["regions"], 24, 5)
+    assert cp.regions_of(snap) == [tuple(r) for r in EX_13_1["regions"]]
     assert snap["state"].count("external") == 10  # every hole holds 2 blocks, fewer than 5
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 
-import _lab_contexts_multigpu as ctx
 import pytest
 import torch
+from lab_contexts.ch09 import WRONG as WRONG_9
+from lab_contexts.ch10 import EX_10_1
 
 from workbench import labs
 from workbench.comm import nccl_buffer_bytes
@@ -48,7 +49,7 @@ def test_tp_runs_on_a_tiny_model(tiny_model):
         # the exercise's reference passes on the engine's own steps
         steps = [s.to_dict() for s in runs[2].recorder.steps]
         assert labs.check("9.1", labs.solution("9.1", steps=steps, model=dims), steps=steps, model=dims)
-        assert not labs.check("9.1", ctx.WRONG["9.1"][0], steps=steps, model=dims)
+        assert not labs.check("9.1", WRONG_9["9.1"][0], steps=steps, model=dims)
         # the same arguments give the same engine: built once
         assert tpl.tp_engine(2, **args) is tpl.tp_engine(2, **args)
         split = tpl.time_split_rows(runs)
@@ -85,7 +86,7 @@ def test_tp_run_panel_reuses_engines_and_names_bad_sizes(tiny_model):
 
 
 def test_allreduce_formula_matches_the_exercise_reference():
-    from workbench.labs.exercises_multigpu import reference_allreduce_bytes
+    from workbench.labs.ch09_tensor_parallelism import reference_allreduce_bytes
 
     assert (
         tpl.expected_allreduce_bytes(171, 576, 30, 4)
@@ -158,7 +159,7 @@ def test_kv_cost_agrees_with_kv_calc_and_grows_with_the_buffers():
 
 def test_exercise_10_1_context_is_the_engines_budget():
     ex = ncb.buffer_exercise()
-    assert ex == ctx.EX_10_1  # the test context is the simulated engine's figure, not a copy gone stale
+    assert ex == EX_10_1  # the test context is the simulated engine's figure, not a copy gone stale
     m = ncb.sim_budget(
         "llama-2-70b", "H100-80GB", 4, nccl_buffsize=8 * MiB, nccl_min_nchannels=24, nccl_max_nchannels=24
     )

@@ -11,7 +11,8 @@ from workbench import labs
 from workbench.bench.datasets import PromptRecord
 from workbench.labs import ch07_parameter_matrix as sweep
 from workbench.labs import ch08_chunked_prefill as chunked
-from workbench.labs.exercises_tuning import best_under_target, reference_prefill_chunks
+from workbench.labs.ch07_parameter_matrix import best_under_target
+from workbench.labs.ch08_chunked_prefill import reference_prefill_chunks
 
 
 def _records(n: int = 4, prompt: int = 30, out: int = 10) -> list[PromptRecord]:
@@ -235,7 +236,7 @@ def test_tradeoff_panel_runs_and_plots(tiny_model):
 def test_exercise_8_1_is_checked_against_the_scheduler_even_without_measurements(capsys):
     """A trace whose runs cannot tell answers apart (or no measured prefill at all) must not make any
     function pass: the check also runs fixed (P, B, D) cases through the real scheduler."""
-    from workbench.labs.exercises_tuning import SCHEDULER_CASES_8_1, scheduler_prefill_chunks
+    from workbench.labs.ch08_chunked_prefill import SCHEDULER_CASES_8_1, scheduler_prefill_chunks
 
     for p, b, d in SCHEDULER_CASES_8_1:
         assert scheduler_prefill_chunks(p, b, d) == reference_prefill_chunks(p, b, d)
@@ -290,7 +291,11 @@ def test_chapter_modules_are_reached_from_the_package():
 
     from workbench import labs
 
-    for name in ("ch07_parameter_matrix", "ch08_chunked_prefill", "ch09_tensor_parallelism", "ch10_nccl_buffers", "multigpu_common", "chapters"):
+    from pathlib import Path
+
+    chapters = sorted(p.stem for p in Path(labs.__file__).parent.glob("ch[0-9][0-9]_*.py"))
+    assert len(chapters) == 18
+    for name in (*chapters, "multigpu_common", "panel"):
         assert getattr(labs, name) is importlib.import_module(f"workbench.labs.{name}")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         labs.nope  # noqa: B018

@@ -84,15 +84,16 @@ def test_a_table_of_labelled_values_has_no_header():
 
 # ---------------------------------------------------------------- the labs' tables
 def test_lab_tables_keep_their_values_and_units():
+    from workbench.labs import ch01_kv_cache_anatomy as ch
+    from workbench.labs import ch05_batching_strategies as ch5
     from workbench.labs import ch07_parameter_matrix as sweep
     from workbench.labs import ch08_chunked_prefill as chunked
     from workbench.labs import ch10_nccl_buffers as nccl_buffers
-    from workbench.labs import chapters as ch
     from workbench.labs.panel import summary_card
 
     kv = ch.kv_table(["llama-2-7b"])
     assert kv.to_rows()[0]["kv_bytes_per_token"] == 524288 and "512.00 KiB" in str(kv)
-    pad = ch.padding_table([128, 256, 384, 512], group_size=2)
+    pad = ch5.padding_table([128, 256, 384, 512], group_size=2)
     assert pad.column("slots") == [2048, 1536, 1280] and "saves (% of one batch)" in pad.headers
     buf = nccl_buffers.buffer_table(nccl_buffers.buffer_rows(sizes=(2,)))
     assert "per rank (MiB)" in buf.headers and "white-space:nowrap" in buf._repr_html_()

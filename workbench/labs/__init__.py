@@ -3,9 +3,10 @@
 - :mod:`workbench.labs.runs` — real engine runs on a seeded trace, deterministic summaries;
 - :mod:`workbench.labs.panel` — :class:`RunPanel`, widgets named like the engine arguments with a
   Run button and a live plot (``workbench[lab]``);
-- :mod:`workbench.labs.exercises` — self-checking exercises (:func:`check`, from
-  :mod:`workbench.labs.exercise_registry`), solutions verified;
-- :mod:`workbench.labs.chapters` — each chapter's measurements and figures (chapters 1-6);
+- :mod:`workbench.labs.exercise_registry` — self-checking exercises (:func:`check`), solutions verified;
+  each chapter's exercises sit at the end of its module;
+- :mod:`workbench.labs.ch01_kv_cache_anatomy` … :mod:`workbench.labs.ch06_sharing_and_preemption` — chapters 1-6:
+  each chapter's measurements, tables and figures;
 - :mod:`workbench.labs.ch07_parameter_matrix` — chapter 7: the parameter matrix (:class:`~workbench.labs.ch07_parameter_matrix.SweepPanel`,
   real and simulated sweeps, heatmaps);
 - :mod:`workbench.labs.ch08_chunked_prefill` — chapter 8: chunked prefill and the ITL / TTFT trade-off;
@@ -29,7 +30,7 @@
 The chapter modules are loaded on first use (``labs.ch07_parameter_matrix`` works after ``from workbench import labs``).
 """
 
-from workbench.labs.exercises import EXERCISES, check, solution
+from workbench.labs.exercise_registry import EXERCISES, check, solution
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, breakdown_rows, breakdown_table, lab_run, lab_trace, run_summary
 
 __all__ = [
@@ -49,8 +50,13 @@ __all__ = [
 
 #: chapter modules, imported on first use (they import plotly, widgets, the simulator)
 _MODULES = (
+    "ch01_kv_cache_anatomy",
+    "ch02_fragmentation_live",
+    "ch03_probes_and_logs",
+    "ch04_paged_attention_inside",
+    "ch05_batching_strategies",
+    "ch06_sharing_and_preemption",
     "ch15_case_study",
-    "chapters",
     "ch08_chunked_prefill",
     "ch12_eviction_policies",
     "ch16_load_testing",

@@ -43,6 +43,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from workbench.labs.exercise_registry import _register
 from workbench.labs.panel import RunButtonThread
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_arg_names, check_engine_args, lab_run, lab_trace
 from workbench.viz.common import count_colour_range, nice_step, share_colour_range
@@ -766,3 +767,64 @@ class SweepPanel(RunButtonThread):
                 fig.data[0].z = z
                 fig.data[0].text = text
                 fig.data[0].update(_colour_range(m, z))
+
+
+# ---------------------------------------------------------------- exercises
+def best_under_target(rows: list, ttft_p99_target_s: float) -> dict | None:
+    """The row of highest ``output_throughput_tok_s`` among those whose ``ttft_p99_s`` is at most the
+    target (refused points, ``error`` set, excluded); ``None`` when no row meets the target."""
+    ok = [
+        r
+        for r in rows
+        if not r.get("error") and r.get("ttft_p99_s") is not None and r["ttft_p99_s"] <= ttft_p99_target_s
+    ]
+    return max(ok, key=lambda r: r["output_throughput_tok_s"]) if ok else None
+
+
+def _which_row(answer, rows: list):
+    """The row an answer names: its config dict (the swept arguments, exactly), its index, or its label."""
+    if isinstance(answer, dict):
+        return next((r for r in rows if r["config"] == answer), None)
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return rows[answer] if 0 <= answer < len(rows) else None
+    if isinstance(answer, str):
+        return next((r for r in rows if r["label"] == answer.strip()), None)
+    return None
+
+
+@_register(
+    "7.1",
+    "Which configuration of the sweep gives the highest output throughput while its TTFT p99 stays at or "
+    "under the target? Give its config dict (e.g. rows[3]['config']), its index in rows, or its label; "
+    "None if no configuration meets the target.",
+    "keep the rows with ttft_p99_s <= ttft_p99_target_s (and no error), then take the largest output_throughput_tok_s.",
+)
+class _BestConfig:
+    @staticmethod
+    def solution(rows: list, ttft_p99_target_s: float):
+        best = best_under_target(rows, ttft_p99_target_s)
+        return None if best is None else dict(best["config"])
+
+    @staticmethod
+    def judge(answer, rows: list, ttft_p99_target_s: float) -> tuple[bool, str]:
+        best = best_under_target(rows, ttft_p99_target_s)
+        if best is None:
+            if answer is None:
+                return True, f"no configuration meets TTFT p99 <= {ttft_p99_target_s:g} s"
+            return False, f"no configuration meets TTFT p99 <= {ttft_p99_target_s:g} s: the answer is None"
+        if answer is None:
+            return False, f"{best['label']} meets the target; look again at the ttft_p99_s column"
+        row = _which_row(answer, rows)
+        if row is None:
+            return False, f"{answer!r} names no row of the sweep: give rows[i]['config'], an index i or a label"
+        t, x = row["ttft_p99_s"], row["output_throughput_tok_s"]
+        if row is best:
+            return True, (f"{row['label']}: {x:,.1f} tok/s at TTFT p99 {t:.2f} s (target {ttft_p99_target_s:g} s)")
+        if row.get("error"):
+            return False, f"{row['label']} did not run: {row['error']}"
+        if t is None or t > ttft_p99_target_s:
+            return False, f"{row['label']} misses the target: TTFT p99 {t:.2f} s > {ttft_p99_target_s:g} s"
+        return False, (
+            f"{row['label']} meets the target but another configuration that meets it has more throughput "
+            f"than its {x:,.1f} tok/s"
+        )

@@ -24,8 +24,9 @@ prompt) and ``steps``.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,6 +34,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from workbench.bench.datasets import PromptRecord, default_prompts
+from workbench.labs.exercise_registry import _number, _register
 from workbench.labs.panel import RunButtonThread, _accepts
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_arg_names, check_engine_args
 from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN
@@ -503,3 +505,89 @@ def itl_percentile(res: ArrivalResult, q: float, prefix: str = "decode-") -> flo
     """The ``q``-th percentile of the inter-token gaps (s) of the requests whose id starts with ``prefix``."""
     gaps = [g for r in res.recorder.requests if r.request_id.startswith(prefix) for g in r.itl_s]
     return float(np.percentile(gaps, q)) if gaps else None
+
+
+# ---------------------------------------------------------------- exercises
+def reference_prefill_chunks(prompt_tokens: int, budget: int, decodes: int) -> int:
+    """Steps a prompt of ``prompt_tokens`` tokens takes under chunked prefill, when ``decodes`` running
+    requests take one token each of every step's ``budget`` first: ``ceil(P / (B - D))``."""
+    return math.ceil(prompt_tokens / (budget - decodes))
+
+
+def scheduler_prefill_chunks(prompt_tokens: int, budget: int, decodes: int, block_size: int = 16) -> int:
+    """Steps the engine's own :class:`~workbench.scheduler.Scheduler` (chunked prefill, no model)
+    takes to prefill a ``prompt_tokens``-token prompt that arrives while ``decodes`` requests decode
+    under a token budget of ``budget``: the ground truth exercise 8.1 is checked against, besides
+    the chapter's measured runs (so that a learner's trace that cannot tell answers apart does not
+    make every answer pass).
+
+    Raises:
+        ValueError: ``budget <= decodes`` (the prompt would never be scheduled).
+    """
+    from workbench.kv.manager import KVCacheManager
+    from workbench.request import Request
+    from workbench.sampling import SamplingParams
+    from workbench.scheduler import Scheduler
+
+    if budget <= decodes:
+        raise ValueError(f"budget={budget} leaves no token for the prompt beside {decodes} decodes")
+    total = prompt_tokens + decodes * 2 + 64
+    kv = KVCacheManager(-(-total // block_size) + decodes + 2, block_size)
+    sched = Scheduler(kv, decodes + 1, budget, enable_chunked_prefill=True)
+    step = 0
+
+    def run_step():
+        nonlocal step
+        out = sched.schedule()
+        sched.update(out, {s.request.request_id: 5 for s in out.scheduled if s.samples}, float(step))
+        step += 1
+        return out
+
+    for i in range(decodes):  # one-token prompts that keep decoding through the whole prefill
+        sp = SamplingParams(max_tokens=prompt_tokens + 8, ignore_eos=True)
+        sched.add_request(Request(f"d{i}", [3], sp, 0.0, max_total_len=total))
+    if decodes:
+        run_step()  # their prompts: from the next step on, each decodes one token per step
+    long = Request("long", [4] * prompt_tokens, SamplingParams(max_tokens=1, ignore_eos=True), 1.0, max_total_len=total)
+    sched.add_request(long)
+    chunks = 0
+    while long.num_computed_tokens < prompt_tokens:
+        out = run_step()
+        chunks += any(s.request is long for s in out.scheduled)
+    return chunks
+
+
+#: (P, B, D) cases exercise 8.1 also checks against the scheduler (they tell B from B - D apart)
+SCHEDULER_CASES_8_1 = ((573, 64, 3), (100, 16, 5), (50, 64, 2), (257, 128, 0))
+
+
+@_register(
+    "8.1",
+    "With chunked prefill, a prompt of P tokens arrives while D requests are decoding; the token budget is "
+    "B (max_num_batched_tokens). Write prefill_chunks(P, B, D): how many steps (chunks) its prefill takes. "
+    "It is checked against the engine's step records of every run.",
+    "each step the D decodes take one token each from the budget first; the prompt gets what is left.",
+)
+class _PrefillChunks:
+    @staticmethod
+    def solution(measured: list) -> Callable:
+        return reference_prefill_chunks
+
+    @staticmethod
+    def judge(answer, measured: list) -> tuple[bool, str]:
+        if not callable(answer):
+            return False, f"give a function, got {type(answer).__name__}"
+        cases = [(m["prompt_tokens"], m["budget"], m["decodes"], m["chunks"], "your runs") for m in measured]
+        cases += [(p, b, d, scheduler_prefill_chunks(p, b, d), "the scheduler") for p, b, d in SCHEDULER_CASES_8_1]
+        for p, b, d, chunks, source in cases:
+            got = answer(p, b, d)
+            if _number(got) != chunks:
+                hint = ""
+                if got == math.ceil(p / b):
+                    hint = " (the decodes take part of every step's budget)"
+                return False, f"P={p}, B={b}, D={d}: yours {got!r}, {source} took {chunks} steps{hint}"
+        n = len(measured)
+        return True, (
+            f"equal to the engine's chunk count in {n} measured prefill{'s' if n != 1 else ''} of your runs "
+            f"and {len(SCHEDULER_CASES_8_1)} cases run through the scheduler"
+        )

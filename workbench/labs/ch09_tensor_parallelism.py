@@ -16,22 +16,27 @@ the worker processes are spawned, and each re-imports the script (Python's multi
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
 
+from workbench.labs.exercise_registry import _register
 from workbench.labs.multigpu_common import (
     MiB,
     _own_link,
     _Panel,
+    _threads_per_rank,
     burst_trace,
+    close_engines,
+    model_dims,
     sim_hardware,
     sim_run_row,
     sim_table,
+    tp_engine,
+    tp_run,
+    tp_trace,
 )
-from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
 from workbench.viz.common import (
     LEGEND_ABOVE,
     LEGEND_ABOVE_MARGIN,
@@ -72,63 +77,6 @@ __all__ = [
 
 
 # ====================================================================== chapter 9: real runs
-def tp_trace(num_requests: int = 4, max_output: int = 8, seed: int = 0):
-    """The chapter's small trace: ``num_requests`` short real prompts (at most 200 characters),
-    seeded output lengths of at most ``max_output`` tokens (:func:`~workbench.labs.runs.lab_trace`).
-
-    Small on purpose: a TP=3 engine runs three processes on this machine's cores, and every
-    step is 64 collectives."""
-    return lab_trace(num_requests, mean_output=max_output / 2, max_output=max_output, seed=seed, max_prompt_chars=200)
-
-
-_ENGINES: dict[int, tuple[dict, Any]] = {}
-_ENGINES_LOCK = threading.Lock()
-
-
-def tp_engine(tensor_parallel_size: int, **engine_args: Any):
-    """A real engine (``LLM``) at ``tensor_parallel_size``, built once and kept for the session.
-
-    The same arguments return the same engine (a TP=3 engine's two worker processes each load
-    the model: building one costs tens of seconds on a 2-core machine). Only one
-    tensor-parallel group can exist in a process, so building a TP > 1 engine with other
-    arguments shuts the previous TP > 1 engine down first. :func:`close_engines` stops them all.
-
-    Args:
-        tensor_parallel_size: ranks (the bundled model takes 1 or 3: 9 heads, 3 KV heads).
-        **engine_args: :class:`~workbench.config.EngineConfig` fields over the lab defaults.
-
-    Raises:
-        ValueError: a size that does not split the model (names the valid sizes), bad arguments.
-    """
-    from workbench.entrypoints.llm import LLM
-
-    args = LAB_ENGINE_DEFAULTS | engine_args | {"tensor_parallel_size": tensor_parallel_size}
-    with _ENGINES_LOCK:
-        held = _ENGINES.get(tensor_parallel_size)
-        if held is not None and held[0] == args and _alive(held[1]):
-            return held[1]
-        if held is not None:
-            held[1].shutdown()
-            del _ENGINES[tensor_parallel_size]
-        if tensor_parallel_size > 1:  # one process group per process
-            for tp in [t for t in _ENGINES if t > 1]:
-                _ENGINES.pop(tp)[1].shutdown()
-        llm = LLM(**args)
-        _ENGINES[tensor_parallel_size] = (args, llm)
-        return llm
-
-
-def _alive(llm) -> bool:
-    tp = getattr(llm.llm_engine, "_tp", None)
-    return tp is None or tp.is_alive
-
-
-def close_engines() -> None:
-    """Shut down every engine :func:`tp_engine` keeps (stops the worker processes)."""
-    with _ENGINES_LOCK:
-        for _, llm in _ENGINES.values():
-            llm.shutdown()
-        _ENGINES.clear()
 
 
 def tp_runs(sizes: Sequence[int] = (1, 3), records=None, **engine_args) -> dict[int, Any]:
@@ -137,35 +85,10 @@ def tp_runs(sizes: Sequence[int] = (1, 3), records=None, **engine_args) -> dict[
     Each size's engine comes from :func:`tp_engine` (built once, reused by later calls). Every
     process computes with the same number of torch threads — what a rank of the largest size gets,
     ``cores // max(sizes)``, at least 1 (:func:`tp_run`) — so the sizes are compared process for
-    process (``docs/benchmarks.md``, tensor parallelism, table 1)."""
+    process (``docs/benchmarks.md``, section "Tensor parallelism on this CPU: compute vs communication")."""
     records = list(records) if records is not None else tp_trace()
     threads = _threads_per_rank(max(sizes))
     return {tp: tp_run(tp, records, threads=threads, **engine_args) for tp in sizes}
-
-
-def _threads_per_rank(n: int) -> int:
-    import os
-
-    return max(1, (os.cpu_count() or 1) // n)
-
-
-def tp_run(tensor_parallel_size: int, records, threads: int | None = None, **engine_args):
-    """One real run of ``records`` on :func:`tp_engine`'s engine at this size.
-
-    Args:
-        threads: torch threads of this process during the run (``None``: leave them); the TP
-            workers keep their own (``cores // tensor_parallel_size``, at least 1).
-    """
-    import torch
-
-    llm = tp_engine(tensor_parallel_size, **engine_args)
-    saved = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        return lab_run(records, llm=llm)
-    finally:
-        torch.set_num_threads(saved)
 
 
 def memory_rows(runs: dict[int, Any]) -> list[dict[str, Any]]:
@@ -274,16 +197,6 @@ def expected_allreduce_bytes(num_tokens: int, hidden_size: int, num_hidden_layer
     al. 2019, §3) counts the two per layer. Payload per rank, not bytes on the wire (a ring
     all-reduce sends ``2 (N - 1) / N`` of it; :mod:`workbench.comm`)."""
     return (1 + 2 * num_hidden_layers) * num_tokens * hidden_size * dtype_bytes
-
-
-def model_dims(llm) -> dict[str, int]:
-    """``{"hidden_size", "num_hidden_layers", "dtype_bytes"}`` of a running engine's model."""
-    eng = llm.llm_engine
-    cfg = eng.hf_config
-    import torch
-
-    elem = torch.empty((), dtype=eng.config.torch_dtype).element_size()
-    return {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers, "dtype_bytes": elem}
 
 
 def comm_rows(run, dims: dict[str, int]) -> list[dict[str, Any]]:
@@ -605,3 +518,44 @@ class TPSimPanel(_Panel):
             f"TPOT p50 {row['tpot_p50_ms']:.1f} ms, all-reduce {row['allreduce_share']:.1%} of step time, "
             f"{row['num_blocks']:,} KV blocks per GPU"
         )
+
+
+# ---------------------------------------------------------------- exercises
+def reference_allreduce_bytes(num_tokens: int, hidden_size: int, num_hidden_layers: int, dtype_bytes: int) -> int:
+    """``(1 + 2 L) x tokens x hidden x dtype bytes``: the vocab-parallel embedding's all-reduce and
+    two per layer (after attention's ``o_proj`` and the MLP's ``down_proj``)."""
+    return (1 + 2 * num_hidden_layers) * num_tokens * hidden_size * dtype_bytes
+
+
+@_register(
+    "9.1",
+    "Write allreduce_bytes(num_tokens, hidden_size, num_hidden_layers, dtype_bytes): the bytes one rank "
+    "all-reduces in a step of num_tokens tokens; checked against the TP=3 engine's StepStats on every step.",
+    "every row-parallel layer ends in an all-reduce of a [tokens, hidden] tensor: two per layer (attention, MLP) "
+    "— and count the vocab-parallel embedding too.",
+)
+class _AllreduceBytes:
+    @staticmethod
+    def solution(steps: list, model: dict) -> Callable:
+        return reference_allreduce_bytes
+
+    @staticmethod
+    def judge(answer, steps: list, model: dict) -> tuple[bool, str]:
+        if not callable(answer):
+            return False, f"give a function, got {type(answer).__name__}"
+        L, h, b = model["num_hidden_layers"], model["hidden_size"], model["dtype_bytes"]
+        for s in steps:
+            tokens = s["num_prefill_tokens"] + s["num_decode_tokens"]
+            got, want = answer(tokens, h, L, b), s["allreduce_bytes"]
+            if got != want:
+                why = ""
+                if got and want and got * (1 + 2 * L) == want * 2 * L:
+                    why = " — one all-reduce short per step: the vocab-parallel embedding all-reduces too"
+                elif got and got * b == want:
+                    why = " — elements, not bytes: multiply by dtype_bytes"
+                return (
+                    False,
+                    f"step {s['step']} ({tokens} tokens): yours {got!r}, the engine all-reduced {want:,} B{why}",
+                )
+        total = sum(s["allreduce_bytes"] for s in steps)
+        return True, f"equal to the engine's bytes on all {len(steps)} steps ({total:,} B in the run)"

@@ -19,10 +19,13 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from workbench.labs.exercise_registry import _number, _register
 from workbench.labs.multigpu_common import (
     MiB,
     _own_link,
     _Panel,
+    long_trace,
+    sim_budget,
     sim_hardware,
     sim_run_row,
     sim_table,
@@ -157,21 +160,6 @@ def buffer_figure(
     return fig
 
 
-def sim_budget(model: str, gpu: str, tensor_parallel_size: int, spec: dict[str, Any] | None = None, **engine_args: Any):
-    """The simulated engine's memory budget (``MemoryBudget``; buffers from the ``nccl_*`` arguments;
-    ``spec``: further :class:`~workbench.sim.SimSpec` fields, e.g. ``custom_all_reduce``)."""
-    from workbench.catalog import MODELS
-    from workbench.config import EngineConfig
-    from workbench.sim import SimEngine, SimSpec
-
-    args = {"max_model_len": 4096, "max_num_seqs": 256} | engine_args
-    eng = SimEngine(
-        EngineConfig(**args),
-        SimSpec(MODELS[model], sim_hardware(gpu, _own_link(gpu)), tensor_parallel_size, **(spec or {})),
-    )
-    return eng.memory
-
-
 def kv_cost_rows(
     model: str = "llama-2-70b",
     gpu: str = "A100-80GB",
@@ -234,19 +222,6 @@ def kv_cost_table(rows: Sequence[dict[str, Any]], seq_len: int = 4096) -> Table:
         ],
         [dict(r) | {"gpus": f"{r['tensor_parallel_size']} x {r['gpu']}"} for r in rows],
     )
-
-
-def long_trace(num_requests: int = 256, seed: int = 0):
-    """Requests long enough that the KV pool binds at TP=4 (prompts 1,500-3,000 tokens, outputs
-    200-400, uniform, seeded, EOS ignored), all arriving at t = 0."""
-    import numpy as np
-
-    from workbench.sim.trace import TraceRequest
-
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(1500, 3000, num_requests)
-    outputs = rng.integers(200, 400, num_requests)
-    return [TraceRequest(0.0, int(p), int(o), False) for p, o in zip(prompts, outputs)]
 
 
 def sim_buffer_grid(
@@ -545,3 +520,63 @@ def buffer_exercise(
         "budget": {"kv_budget_bytes": r.kv_budget_bytes, "block_bytes": r.block_bytes, "num_blocks": r.num_blocks},
         "engine_num_blocks": m.num_blocks,
     }
+
+
+# ---------------------------------------------------------------- exercises
+@_register(
+    "10.1",
+    "How many KV blocks per GPU does this buffer configuration cost, compared with no NCCL buffers at all? "
+    "(an integer; checked against the simulated engine's own budget)",
+    "buffers per rank = channels x (NCCL_BUFFSIZE + LL + LL128 buffers of the enabled protocols); blocks = "
+    "budget // block_bytes — compute the blocks of the budget without and with the buffers, and subtract.",
+)
+class _BlocksLost:
+    @staticmethod
+    def solution(config: dict, budget: dict, engine_num_blocks: int) -> int:
+        from workbench.comm import nccl_buffer_bytes
+
+        buffers = nccl_buffer_bytes(
+            config["tensor_parallel_size"],
+            buffsize=config["nccl_buffsize"],
+            nchannels=config["nchannels"],
+            protocols=config["nccl_proto"],
+        ).per_rank_bytes
+        after = (budget["kv_budget_bytes"] - buffers) // budget["block_bytes"]
+        return budget["num_blocks"] - after
+
+    @staticmethod
+    def judge(answer, config: dict, budget: dict, engine_num_blocks: int) -> tuple[bool, str]:
+        from workbench.comm import nccl_buffer_bytes
+
+        want = budget["num_blocks"] - engine_num_blocks
+        x = _number(answer)
+        if x is None:
+            return False, f"give a whole number of blocks, got {answer!r}"
+        est = nccl_buffer_bytes(
+            config["tensor_parallel_size"],
+            buffsize=config["nccl_buffsize"],
+            nchannels=config["nchannels"],
+            protocols=config["nccl_proto"],
+        )
+        if x == want:
+            return True, (
+                f"{want:,} blocks per GPU: {est.per_rank_bytes:,} B of buffers; the engine's pool went from "
+                f"{budget['num_blocks']:,} to {engine_num_blocks:,} blocks"
+            )
+        if x == est.per_rank_bytes or x == est.per_rank_bytes / 2**20:
+            return False, "that is the buffers' size; convert it into the blocks it displaces"
+        if x == want * config["tensor_parallel_size"]:
+            return False, "that is the whole group's loss; the question asks per GPU"
+        simple = config["nchannels"] * config["nccl_buffsize"] // budget["block_bytes"]
+        if x == simple and simple != want:
+            return False, "count every enabled protocol's buffer (LL and LL128 too), not NCCL_BUFFSIZE alone"
+        if x == est.per_rank_bytes // budget["block_bytes"] and x != want:
+            return False, (
+                "buffers // block_bytes ignores the part-block the budget already had left over: "
+                "compare the two budgets' whole blocks"
+            )
+        side = "too many" if x > want else "too few"
+        return False, (
+            f"{answer!r} is {side}: the buffers take {est.per_rank_bytes / 2**20:,.1f} MiB per GPU and a block is "
+            f"{budget['block_bytes']:,} B; count the budget's whole blocks with and without the buffers"
+        )

@@ -23,6 +23,7 @@ from typing import Any
 
 from workbench.conformance import ConformanceReport, check_kv_manager
 from workbench.kv.interface import KVManager
+from workbench.labs.exercise_registry import _register
 from workbench.labs.runs import lab_run, lab_trace
 from workbench.plugins import register_class
 from workbench.viz.table import Column, Table
@@ -40,6 +41,7 @@ __all__ = [
     "interface_table",
     "register_allocator",
 ]
+
 
 def register_allocator(cls: type[KVManager], name: str | None = None) -> str:
     """Make a :class:`~workbench.kv.interface.KVManager` subclass defined in a notebook cell loadable as
@@ -353,7 +355,13 @@ def block_maps_figure(results: dict, step: int | None = None, max_cols: int = 48
         title={"text": f"Block maps at engine step {step}: the same requests, five allocators", "font": {"size": 15}},
         height=140 + sum(60 + 28 * r for r in rows_each),
         plot_bgcolor="white",
-        legend={"orientation": "h", "y": 1.08, "yanchor": "bottom", "x": 0, "title": {"text": ""}},  # above the first title
+        legend={
+            "orientation": "h",
+            "y": 1.08,
+            "yanchor": "bottom",
+            "x": 0,
+            "title": {"text": ""},
+        },  # above the first title
         margin={"t": 150, "l": 70, "r": 20, "b": 50},
     )
     return fig
@@ -365,3 +373,35 @@ def source(cls: type, *methods: str) -> None:
     for n in names:
         v = vars(cls)[n]
         print(inspect.getsource(v.fget if isinstance(v, property) else v))
+
+
+# ---------------------------------------------------------------- exercises
+@_register(
+    "11.1",
+    "Complete the skeleton (allocate_slots, free) so that your allocator passes the conformance check: "
+    "the real scheduler over random schedules, invariants every step, nothing leaked (the answer is the class)",
+    "allocate_slots adds blocks until the table covers num_total_tokens slots, and refuses (returning False, "
+    "changing nothing) when too few are free; free gives every block of the request back and drops its table.",
+)
+class _OwnAllocator:
+    @staticmethod
+    def solution(schedules: int, seed: int):
+
+        return NextFitKVManager
+
+    @staticmethod
+    def judge(answer, schedules: int, seed: int) -> tuple[bool, str]:
+        from workbench.conformance import check_kv_manager
+        from workbench.kv.interface import KVManager
+
+        cls = getattr(answer, "fn", answer)  # a class arrives wrapped by check()'s return-value probe
+        if not (isinstance(cls, type) and issubclass(cls, KVManager)):
+            return False, f"give the class itself (a KVManager subclass), got {answer!r}"
+        report = check_kv_manager(cls, schedules=schedules, seed=seed)
+        if report.passed:
+            return True, str(report)
+        f = report.failure
+        return False, (
+            f"schedule {report.schedules} of {schedules} failed at step {f.step}: {f.problem} (print "
+            "check_kv_manager(YourClass) for the schedule and the calls before it)"
+        )

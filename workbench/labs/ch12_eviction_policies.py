@@ -25,8 +25,9 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from workbench.kv.eviction import BUILTIN, EvictionPolicy, LRUPolicy, eviction_policy_class
 from workbench.bench.samples import prefix_repetition_records
+from workbench.kv.eviction import BUILTIN, EvictionPolicy, LRUPolicy, eviction_policy_class
+from workbench.labs.exercise_registry import _register
 from workbench.labs.multigpu_common import _Panel
 from workbench.viz.common import percent_axis, title_and_legend_above
 from workbench.viz.table import Column, Table
@@ -611,3 +612,58 @@ class EvictionPanel(_Panel):
             f"saved, {row['evictions']:,} evictions (mean age {age} steps), TTFT mean {row['ttft_mean_ms']:,.1f} ms "
             + ("(this CPU)" if self.llm is not None else "(simulated)")
         )
+
+
+# ---------------------------------------------------------------- exercises
+def _victims(events, num_blocks: int, need: int) -> dict[str, list[int]]:
+
+    return {p: next_victims(p, events, num_blocks, need) for p in ("lru", "fifo", "lfu")}
+
+
+@_register(
+    "12.1",
+    "After these pool events, a request needs 3 new blocks. Which blocks does each policy hand out, in order? "
+    '(a dict {"lru": [...], "fifo": [...], "lfu": [...]} of block ids; checked against the engine\'s BlockPool)',
+    "lru: the front of the free queue, cached or not (a request's blocks are freed tail first); fifo: empty blocks "
+    "first, then by the order the content was cached; lfu: empty blocks first, then fewest hits, ties to the block "
+    "freed longest ago.",
+)
+class _NextVictims:
+    @staticmethod
+    def solution(events, num_blocks: int, need: int) -> dict[str, list[int]]:
+        return _victims(events, num_blocks, need)
+
+    @staticmethod
+    def judge(answer, events, num_blocks: int, need: int) -> tuple[bool, str]:
+        want = _victims(events, num_blocks, need)
+        if not isinstance(answer, dict) or set(answer) != set(want):
+            return False, f'give a dict with the keys "lru", "fifo" and "lfu", each a list of {need} block ids'
+        try:
+            got = {k: [int(b) for b in v] for k, v in answer.items()}
+        except (TypeError, ValueError):
+            return False, f"each policy's answer is a list of {need} block ids (integers)"
+        wrong = [k for k in want if got[k] != want[k]]
+        if not wrong:
+            return True, (
+                f"lru {want['lru']}, fifo {want['fifo']}, lfu {want['lfu']}: LRU hands out part of the system prompt "
+                "because the scan was freed after it, FIFO the system prompt first because it was cached first, "
+                "LFU the blocks nobody hit"
+            )
+        notes = []
+        for k in wrong:
+            g = got[k]
+            if sorted(g) == sorted(want[k]):
+                notes.append(f"{k}: the right blocks, in another order")
+            elif k == "lru" and g[:1] == [4]:
+                notes.append(
+                    "lru: a request's blocks are freed tail first (X 3 before X 0), and A's and B's before X's"
+                )
+            elif k == "lru" and any(b in g for b in (4, 5, 6, 7)):
+                notes.append("lru: the scan's blocks were freed last, so they sit at the back of the queue")
+            elif k == "fifo" and g[:1] != want["fifo"][:1]:
+                notes.append("fifo: the content cached first goes first, however often it was hit since")
+            elif k == "lfu" and any(b in g for b in (0, 1)):
+                notes.append("lfu: the system prompt's blocks have a hit each; blocks with 0 hits go first")
+            else:
+                notes.append(f"{k}: not {g}")
+        return False, "; ".join(notes)

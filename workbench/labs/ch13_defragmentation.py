@@ -29,6 +29,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.kv.defrag import Defragmenter, plan_compaction
+from workbench.labs.exercise_registry import _number, _register
 from workbench.labs.multigpu_common import _Panel
 from workbench.labs.runs import LAB_ENGINE_DEFAULTS, check_engine_args, lab_run, lab_trace
 from workbench.viz.common import LEGEND_ABOVE, count_axis, plural
@@ -405,9 +406,9 @@ def sim_trigger_row(
         run, requests a pass admitted, the highest-block gap and the highest used block id (mean and peak over
         steps), the replay's wall seconds.
     """
-    from workbench.kv.defrag import highest_block_gap
     from workbench.catalog import MODELS
     from workbench.config import EngineConfig
+    from workbench.kv.defrag import highest_block_gap
     from workbench.metrics import CallbackSink
     from workbench.sim import SimEngine, SimSpec, find_hardware, make_trace
 
@@ -811,3 +812,47 @@ class DefragPanel(_Panel):
             f"and admitted {plural(r['unblocked'], 'waiting request')}; {r['useless']} admitted none; "
             f"{r['steps_external']} steps had external fragmentation"
         )
+
+
+# ---------------------------------------------------------------- exercises
+def _plan(regions, num_blocks: int, need_blocks: int):
+    from types import SimpleNamespace
+
+    from workbench.kv.defrag import plan_compaction
+
+    kv = SimpleNamespace(regions=sorted(tuple(r) for r in regions), num_blocks=num_blocks)
+    return plan_compaction(kv, num_blocks, need_blocks)
+
+
+@_register(
+    "13.1",
+    "A contiguous pool (regions = [start, blocks, request]) and a waiting request that needs need_blocks "
+    "consecutive blocks: how many blocks does a compaction pass move before a free run holds it? "
+    "(an integer; checked against workbench.kv.defrag.plan_compaction)",
+    "regions slide down whole, lowest first, each to the end of the one below it; after each slide look at the "
+    "largest free run (the hole just opened, or any run above) and stop as soon as one holds need_blocks.",
+)
+class _CompactionMoves:
+    @staticmethod
+    def solution(regions, num_blocks: int, need_blocks: int) -> int:
+        return len(_plan(regions, num_blocks, need_blocks))
+
+    @staticmethod
+    def judge(answer, regions, num_blocks: int, need_blocks: int) -> tuple[bool, str]:
+        moves = _plan(regions, num_blocks, need_blocks)
+        want = len(moves)
+        x = _number(answer)
+        if x is None:
+            return False, f"give a whole number of blocks, got {answer!r}"
+        full = len(_plan(regions, num_blocks, 0))
+        if x == want:
+            return True, f"{want} blocks, then a free run holds {need_blocks}; packing the whole pool would move {full}"
+        free = num_blocks - sum(r[1] for r in regions)
+        if x == full:
+            return False, "that packs the whole pool; the pass stops as soon as one free run holds the request"
+        if x == need_blocks:
+            return False, "that is what the request needs; count the live blocks that move to open that hole"
+        if x == free:
+            return False, "that is the free blocks; the pass copies live blocks, not free ones"
+        side = "too many" if x > want else "too few"
+        return False, f"{answer!r} is {side}: slide the regions one at a time and check the free runs after each"

@@ -4,7 +4,7 @@ What a tensor-parallel rank holds besides its shard of the weights and its KV po
 shrunk or shared, and what each byte buys back in KV blocks and concurrent sequences.
 
 *Measured on this CPU* (a real TP=3 engine on the bundled model, over gloo; chapter 9's
-:func:`~workbench.labs.ch09_tensor_parallelism.tp_engine`): one rank's budget as the engine planned it
+:func:`~workbench.labs.multigpu_common.tp_engine`): one rank's budget as the engine planned it
 (:func:`rank_budget_rows`), the activation workspace profiled on every rank at several
 ``max_num_batched_tokens`` with the blocks each frees (:func:`workspace_rows`), every step's
 all-reduce message against a custom all-reduce's ``max_size`` (:func:`message_rows`), and the
@@ -29,8 +29,19 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from workbench.labs.multigpu_common import MiB, _Panel, sim_run_row
-from workbench.labs.ch10_nccl_buffers import long_trace, sim_budget
+from workbench.labs.exercise_registry import _number, _register
+from workbench.labs.multigpu_common import (
+    MiB,
+    _Panel,
+    close_engines,
+    long_trace,
+    model_dims,
+    sim_budget,
+    sim_run_row,
+    tp_engine,
+    tp_run,
+    tp_trace,
+)
 from workbench.viz.common import BUDGET_COLOURS
 from workbench.viz.table import Column, Table
 
@@ -40,6 +51,7 @@ __all__ = [
     "RankMemoryPanel",
     "buyback_rows",
     "buyback_table",
+    "close_engines",
     "cuda_graph_pool_bytes",
     "custom_ar_exercise",
     "gpu_rank_figure",
@@ -47,6 +59,7 @@ __all__ = [
     "gpu_rank_table",
     "message_rows",
     "message_table",
+    "model_dims",
     "process_memory_rows",
     "process_memory_table",
     "rank_budget_rows",
@@ -54,6 +67,9 @@ __all__ = [
     "rank_choices",
     "sim_buyback_grid",
     "sim_buyback_table",
+    "tp_engine",
+    "tp_run",
+    "tp_trace",
     "workspace_rows",
     "workspace_table",
 ]
@@ -723,4 +739,58 @@ class RankMemoryPanel(_Panel):
             f"{r['tensor_parallel_size']} x {r['gpu']}: {r['num_blocks']:,} KV blocks per GPU "
             f"({r['blocks_bought']:+,} vs the vLLM-like defaults), {r['max_seqs']:,} sequences of 4,096 tokens "
             f"({r['seqs_bought']:+,}); {room}"
+        )
+
+
+# ---------------------------------------------------------------- exercises
+def _custom_ar(config: dict):
+    from workbench.comm import custom_all_reduce_bytes
+    from workbench.sim.hardware import find_hardware
+
+    nvlink = find_hardware(config["gpu"]).interconnect == "NVLink"
+    return custom_all_reduce_bytes(config["tensor_parallel_size"], fully_connected=nvlink)
+
+
+@_register(
+    "14.1",
+    "How many KV blocks per GPU does disable_custom_all_reduce=True buy back for this deployment? "
+    "(an integer; checked against the simulated engine's budget with the custom all-reduce off)",
+    "a rank's custom all-reduce holds a metadata buffer (meta_size() + max_size), an input buffer (max_size) "
+    "and 8 MiB of rank_data (workbench.comm.custom_all_reduce_bytes); add them back to the budget and count "
+    "whole blocks before and after.",
+)
+class _CustomArBlocks:
+    @staticmethod
+    def solution(config: dict, budget: dict, engine_num_blocks: int) -> int:
+        freed = _custom_ar(config).per_rank_bytes
+        return (budget["kv_budget_bytes"] + freed) // budget["block_bytes"] - budget["num_blocks"]
+
+    @staticmethod
+    def judge(answer, config: dict, budget: dict, engine_num_blocks: int) -> tuple[bool, str]:
+        want = engine_num_blocks - budget["num_blocks"]
+        x = _number(answer)
+        if x is None:
+            return False, f"give a whole number of blocks, got {answer!r}"
+        est = _custom_ar(config)
+        if x == want:
+            return True, (
+                f"{want:,} blocks per GPU: the custom all-reduce holds {est.per_rank_bytes:,} B per rank; the pool "
+                f"goes from {budget['num_blocks']:,} to {engine_num_blocks:,} blocks"
+            )
+        if x in (est.per_rank_bytes, est.per_rank_bytes / 2**20):
+            return False, "that is the buffers' size; convert it into the whole blocks it gives back"
+        if x == want * config["tensor_parallel_size"]:
+            return False, "that is the whole group's; the question asks per GPU"
+        two = (budget["kv_budget_bytes"] + est.meta_bytes + est.buffer_bytes) // budget["block_bytes"]
+        if x == two - budget["num_blocks"] and x != want:
+            return False, "count rank_data (8 MiB of peer-pointer tables) too, not only the two IPC buffers"
+        if x == est.per_rank_bytes // budget["block_bytes"] and x != want:
+            return False, (
+                "buffers // block_bytes ignores the part-block the budget already had left over: "
+                "compare the two budgets' whole blocks"
+            )
+        side = "too many" if x > want else "too few"
+        return False, (
+            f"{answer!r} is {side}: the custom all-reduce takes {est.per_rank_bytes / 2**20:,.1f} MiB per GPU and a "
+            f"block is {budget['block_bytes']:,} B; count the budget's whole blocks with and without it"
         )

@@ -13,8 +13,8 @@ hypothesis with its own replay (:func:`hypothesis_rows`):
   split into free slots and slots held without a token state (:func:`unused_rows`).
 
 Everything here is deterministic: seeded traces, simulated time (only ``replay_wall_s`` varies).
-The long two-hour replays are in ``docs/benchmarks.md`` ("The case study"; ``benchmarks/simulate.py
-case-study``); the chapter's replays are minutes long.
+The long two-hour replays are in ``docs/benchmarks.md`` (section "The case study: 70B on 4×A100-80GB";
+``benchmarks/simulate.py case-study``); the chapter's replays are minutes long.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from workbench.labs.exercise_registry import _number, _register
 from workbench.labs.multigpu_common import _Panel
 from workbench.viz.table import Column, Table
 
@@ -175,7 +176,9 @@ def replay(
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
             raise ValueError(f"{name}={v!r} must be a finite number > 0 ({'req/s' if name == 'rate' else 'seconds'})")
     if nccl_nchannels is not None and (not isinstance(nccl_nchannels, int) or nccl_nchannels < 1):
-        raise ValueError(f"nccl_nchannels={nccl_nchannels!r} must be a whole number of channels >= 1 (None: NCCL's default)")
+        raise ValueError(
+            f"nccl_nchannels={nccl_nchannels!r} must be a whole number of channels >= 1 (None: NCCL's default)"
+        )
     args = {"gpu_memory_utilization": CASE["gpu_memory_utilization"], "max_num_seqs": CASE["max_num_seqs"]}
     args |= engine_args
     trace = case_trace(rate, duration_s, seed=seed, output_scale=output_scale, drift_at_s=drift_at_s)
@@ -609,3 +612,120 @@ class CaseStudyPanel(_Panel):
             f"{run.summary['preemptions_total']} preemptions, KV pool {run.memory['kv_pool_bytes'] / GiB:,.1f} GiB "
             f"per GPU of which {unused:,.1f} GiB unused on average"
         )
+
+
+# ---------------------------------------------------------------- exercises
+def _gib_unused(budget: dict, kv_utilization: float) -> float:
+    return budget["kv_pool_bytes"] * (1 - kv_utilization) / 2**30
+
+
+@_register(
+    "15.3",
+    "How many GiB of one GPU's KV pool are allocated but unused at this KV utilization? (a number in GiB)",
+    "the pool is preallocated at startup (kv_pool_bytes); KV utilization is token states / pool slots, so the "
+    "rest of the pool holds no token state — free blocks and the empty slots of used ones.",
+)
+class _UnusedGiB:
+    @staticmethod
+    def solution(budget: dict, kv_utilization: float) -> float:
+        return _gib_unused(budget, kv_utilization)
+
+    @staticmethod
+    def judge(answer, budget: dict, kv_utilization: float) -> tuple[bool, str]:
+        want = _gib_unused(budget, kv_utilization)
+        x = _number(answer)
+        if x is None:
+            return False, f"give a number of GiB, got {answer!r}"
+        if abs(x - want) <= 0.01 * want:
+            return True, (
+                f"{want:,.1f} GiB of the {budget['kv_pool_bytes'] / 2**30:,.1f} GiB pool hold no token state: "
+                "allocated at startup, unused now"
+            )
+        if abs(x - want * 2**30 / 1e9) <= 0.01 * want * 2**30 / 1e9:
+            return False, "that is in GB (10^9 bytes); the question asks GiB (2^30 bytes)"
+        used = budget["kv_pool_bytes"] * kv_utilization / 2**30
+        if abs(x - used) <= 0.01 * max(used, 1e-9):
+            return False, "that is the part holding token states; the question asks for the rest of the pool"
+        if abs(x - want * 2**30) <= 0.01 * want * 2**30:
+            return False, "that is in bytes; divide by 2**30 for GiB"
+        return False, f"{answer!r} is {'too much' if x > want else 'too little'}: pool bytes × (1 − KV utilization)"
+
+
+def _queue_after(rate: float, capacity: float, seconds: float) -> float:
+    return max(0.0, (rate - capacity) * seconds)
+
+
+@_register(
+    "15.1",
+    "Requests arrive at `rate` req/s and the server completes `capacity` req/s. How many requests are waiting "
+    "after `seconds` seconds, starting from an empty queue? (a number of requests)",
+    "every second, rate requests arrive and capacity leave; the difference piles up in the waiting queue "
+    "(it cannot go below zero).",
+)
+class _QueueGrowth:
+    @staticmethod
+    def solution(rate: float, capacity: float, seconds: float) -> float:
+        return _queue_after(rate, capacity, seconds)
+
+    @staticmethod
+    def judge(answer, rate: float, capacity: float, seconds: float) -> tuple[bool, str]:
+        want = _queue_after(rate, capacity, seconds)
+        x = _number(answer)
+        if x is None:
+            return False, f"give a number of requests, got {answer!r}"
+        if abs(x - want) <= max(1.0, 0.02 * want):
+            if want == 0:
+                return True, "0: below capacity the queue does not grow; TTFT stays near the prefill time"
+            return True, (
+                f"about {want:,.0f} requests waiting; the last of them waits about {want / capacity:,.0f} s — "
+                "TTFT grows with time, without bound, while completions stay at capacity"
+            )
+        if abs(x - rate * seconds) <= 0.02 * rate * seconds:
+            return False, "that is every arrival; the server completes capacity requests per second meanwhile"
+        if abs(x - (rate - capacity)) <= 0.02 * abs(rate - capacity) + 1e-9:
+            return False, "that is the growth per second; multiply by the seconds"
+        if want == 0 and x < 0:
+            return False, "a queue cannot be negative: below capacity it stays empty"
+        return (
+            False,
+            f"{answer!r} is {'too many' if x > want else 'too few'}: (arrivals − completions) per second × seconds",
+        )
+
+
+def _can_both(rows: list) -> set:
+    return {r["hypothesis"] for r in rows if r["verdict"] == "can"}
+
+
+@_register(
+    "15.2",
+    "From the hypothesis table's measurements, which hypotheses can produce both symptoms — TTFT rising and "
+    "fewer requests finishing per second? (a set of the hypothesis names, e.g. {'preemption'})",
+    "a mechanism explains the report only if its replay shows both; one that shows neither, or only one, or "
+    "shows them from the first minute rather than after two hours, is not the diagnosis.",
+)
+class _WhichHypotheses:
+    @staticmethod
+    def solution(rows: list) -> set:
+        return _can_both(rows)
+
+    @staticmethod
+    def judge(answer, rows: list) -> tuple[bool, str]:
+        names = {r["hypothesis"] for r in rows}
+        if isinstance(answer, str):
+            answer = {answer}
+        try:
+            got = {str(a).strip().replace(" ", "_") for a in answer}
+        except TypeError:
+            return False, f"give a set of hypothesis names, got {answer!r}"
+        unknown = got - names
+        if unknown:
+            return False, f"{sorted(unknown)} are not hypotheses here; the names are {sorted(names)}"
+        want = _can_both(rows)
+        if got == want:
+            return True, f"{sorted(want)}: the only mechanism whose replay shows both symptoms"
+        extra, missing = got - want, want - got
+        why = {r["hypothesis"]: r["measured"] for r in rows}
+        if extra:
+            e = sorted(extra)[0]
+            return False, f"{e} does not show both symptoms — measured: {why[e]}"
+        return False, f"one is missing; look again at {sorted(missing)[0]}: {why[sorted(missing)[0]]}"

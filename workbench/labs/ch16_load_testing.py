@@ -28,6 +28,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from workbench.labs.exercise_registry import _number, _register
 from workbench.viz.table import Column, Table
 
 #: the chapter's server: a small context and one thread (2 shared CPU cores)
@@ -341,3 +342,87 @@ def slo_from(row: dict, ttft_factor: float = 3.0, tpot_factor: float = 1.5) -> d
     TPOT ≤ ``tpot_factor`` × its median TPOT, rounded up to 10 ms (``{"ttft_s", "tpot_s"}`` in seconds)."""
     up = lambda ms: math.ceil(ms / 10) * 10 / 1000  # noqa: E731
     return {"ttft_s": up(ttft_factor * row["ttft_p50"]), "tpot_s": up(tpot_factor * row["tpot_p50"])}
+
+
+# ---------------------------------------------------------------- exercises
+def _knee16(rows: list, frac: float) -> float | None:
+
+    return knee(rows, frac)
+
+
+@_register(
+    "16.1",
+    "From the sweep's rows (offered and achieved req/s), which offered rate is the knee — the lowest offered rate "
+    "whose achieved throughput is below `frac` of it? (a rate in req/s, or None if the server kept up everywhere)",
+    "sort the rows by offered rate; the first one with achieved < frac × offered is where completions stop "
+    "keeping up with arrivals and the waiting queue grows.",
+)
+class _Knee:
+    @staticmethod
+    def solution(rows: list, frac: float) -> float | None:
+        return _knee16(rows, frac)
+
+    @staticmethod
+    def judge(answer, rows: list, frac: float) -> tuple[bool, str]:
+        want = _knee16(rows, frac)
+        if want is None:
+            if answer is None:
+                return True, "None: the server kept up at every offered rate; sweep higher to find the knee"
+            return False, f"at every rate achieved ≥ {frac} × offered: the answer is None"
+        if answer is None:
+            return False, "one row has achieved below frac × offered: look again"
+        x = _number(answer)
+        if x is None:
+            return False, f"give an offered rate in req/s, got {answer!r}"
+        if abs(x - want) <= 0.01 * want:
+            r = next(r for r in rows if r["offered"] == want)
+            return True, (
+                f"{want:.2f} req/s offered, {r['achieved']:.2f} req/s achieved: from here on requests arrive "
+                "faster than they finish"
+            )
+        for r in rows:
+            if abs(x - r["achieved"]) <= 0.01 * max(r["achieved"], 1e-9):
+                return False, "that is an achieved rate; the question asks for the offered rate at the knee"
+        if any(abs(x - r["offered"]) <= 0.01 * r["offered"] for r in rows):
+            if x > want:
+                return False, "a lower offered rate already falls below frac × offered: take the lowest"
+            return False, f"at {x:.2f} req/s the server still achieves at least {frac} × offered"
+        return False, f"{answer!r} is not one of the offered rates {sorted(r['offered'] for r in rows)}"
+
+
+def _good16(ttfts: list, tpots: list, slo_ttft_s: float, slo_tpot_s: float) -> float:
+
+    return goodput_fraction(ttfts, tpots, slo_ttft_s, slo_tpot_s)
+
+
+@_register(
+    "16.2",
+    "Per-request TTFT and TPOT (seconds) and an SLO: what fraction of the requests met it? (a number from 0 to 1)",
+    "a request is good only if its TTFT ≤ slo_ttft_s AND its TPOT ≤ slo_tpot_s (a TPOT of None — one output "
+    "token — meets the TPOT part; a TTFT of None is a failed request); divide the good ones by all requests.",
+)
+class _GoodFraction:
+    @staticmethod
+    def solution(ttfts: list, tpots: list, slo_ttft_s: float, slo_tpot_s: float) -> float:
+        return _good16(ttfts, tpots, slo_ttft_s, slo_tpot_s)
+
+    @staticmethod
+    def judge(answer, ttfts: list, tpots: list, slo_ttft_s: float, slo_tpot_s: float) -> tuple[bool, str]:
+        want = _good16(ttfts, tpots, slo_ttft_s, slo_tpot_s)
+        n = len(ttfts)
+        x = _number(answer)
+        if x is None:
+            return False, f"give a fraction from 0 to 1, got {answer!r}"
+        if abs(x - want) <= 0.005:
+            return True, f"{want:.3f}: {round(want * n)} of {n} requests met both the TTFT and the TPOT target"
+        if abs(x - 100 * want) <= 0.5 and want > 0.01:
+            return False, "that is a percentage; give the fraction (0 to 1)"
+        if abs(x - want * n) <= 0.5 and n > 1:
+            return False, "that is the number of good requests; divide by all requests"
+        only_ttft = sum(1 for a in ttfts if a is not None and a <= slo_ttft_s) / max(n, 1)
+        only_tpot = sum(1 for a, b in zip(ttfts, tpots) if a is not None and (b is None or b <= slo_tpot_s)) / max(n, 1)
+        if abs(x - only_ttft) <= 0.005:
+            return False, "that counts TTFT only; a good request must also meet the TPOT target"
+        if abs(x - only_tpot) <= 0.005:
+            return False, "that counts TPOT only; a good request must also meet the TTFT target"
+        return False, f"{answer!r} is {'too high' if x > want else 'too low'}: good = both targets met"

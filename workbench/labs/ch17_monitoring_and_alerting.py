@@ -33,6 +33,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from workbench.labs.exercise_registry import _register
 from workbench.server.prometheus_process import ALERT_RULES
 from workbench.viz.table import Column, Table
 
@@ -312,7 +313,9 @@ def measure_capacity(stack: MonitoringStack, num_prompts: int | None = None, **b
     args = OVERLOAD_REQUESTS | dict(num_prompts=n, request_rate=float("inf"), disable_tqdm=True, print_result=False)
     result = run_bench_serve(base_url=stack.server.base_url, **(args | bench_args))
     if not result.get("completed"):
-        raise RuntimeError(f"the capacity probe completed no request of {n}: is the server up? ({stack.server.base_url})")
+        raise RuntimeError(
+            f"the capacity probe completed no request of {n}: is the server up? ({stack.server.base_url})"
+        )
     return float(result["request_throughput"])
 
 
@@ -568,3 +571,114 @@ def waiting_samples(live: LivePlot) -> list[float]:
 def tmp_rules_dir() -> tempfile.TemporaryDirectory:
     """A temporary folder for the demo rules (removed when the object is cleaned up or collected)."""
     return tempfile.TemporaryDirectory(prefix="wb-ch17-")
+
+
+# ---------------------------------------------------------------- exercises
+def _hq(q: float, buckets: list) -> float:
+    """Prometheus' histogram_quantile on cumulative (le, count) buckets: linear inside the bucket the rank falls in;
+    the +Inf bucket answers the largest finite bound (promql/quantile.go)."""
+    bs = sorted((float(le), float(c)) for le, c in buckets)
+    total = bs[-1][1]
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in bs:
+        if c >= rank:
+            if le == float("inf"):
+                return prev_le
+            if c == prev_c:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+@_register(
+    "17.1",
+    "Write histogram_quantile(q, buckets) as Prometheus computes it: buckets are cumulative (le, count) pairs of a "
+    "histogram (the last le is +Inf); return the q-quantile in the buckets' unit. The answer is the function.",
+    "rank = q x the +Inf bucket's count; find the first bucket whose count reaches the rank; interpolate linearly "
+    "between the previous bucket's bound (0 for the first) and this one's; in the +Inf bucket answer the largest "
+    "finite bound.",
+)
+class _HistogramQuantile:
+    @staticmethod
+    def solution(buckets: list):
+        return _hq
+
+    @staticmethod
+    def judge(answer, buckets: list) -> tuple[bool, str]:
+        import math
+
+        quantiles = (0.5, 0.9, 0.99)
+        if not callable(answer):
+            return False, f"give a function histogram_quantile(q, buckets), got {answer!r}"
+        for q in quantiles:
+            want = _hq(q, buckets)
+            try:
+                got = float(answer(q, [tuple(b) for b in buckets]))
+            except Exception as e:  # noqa: BLE001 - the learner's code
+                return False, f"histogram_quantile({q}, ...) raised {type(e).__name__}: {e}"
+            if not (math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(got) and math.isnan(want))):
+                return False, (
+                    f"histogram_quantile({q}) = {got:.6g}, Prometheus says {want:.6g}; interpolate inside the bucket "
+                    "the rank falls in, from the previous bucket's bound"
+                )
+        return True, f"matches Prometheus at q = {', '.join(map(str, quantiles))} on these buckets"
+
+
+def _fires_at(samples: list, threshold: float, for_s: float, interval_s: float):
+    import math
+
+    need = math.ceil(for_s / interval_s - 1e-9)
+    start = None
+    for i, v in enumerate(samples):
+        if v is not None and v > threshold:
+            start = i if start is None else start
+            if i - start >= need:
+                return i
+        else:
+            start = None
+    return None
+
+
+@_register(
+    "17.2",
+    "A rule `expr: waiting > threshold` with `for: for_s` is evaluated once per sample (every interval_s seconds). "
+    "At which sample index does it first fire? (an index into samples, or None if it never fires)",
+    "the alert goes pending at the first evaluation where the condition holds and fires at the first later "
+    "evaluation at least for_s after that; a false evaluation in between resets it.",
+)
+class _FiresAt:
+    @staticmethod
+    def solution(samples: list, threshold: float, for_s: float, interval_s: float):
+        return _fires_at(samples, threshold, for_s, interval_s)
+
+    @staticmethod
+    def judge(answer, samples: list, threshold: float, for_s: float, interval_s: float) -> tuple[bool, str]:
+        want = _fires_at(samples, threshold, for_s, interval_s)
+        if answer is None or want is None:
+            ok = answer is None and want is None
+            if ok:
+                return True, "None: the condition never holds for long enough"
+            if answer is None:
+                return False, f"it does fire: look for a run of samples above {threshold} lasting {for_s} s"
+            return False, f"it never fires: no run of samples above {threshold} lasts {for_s} s"
+        if isinstance(answer, bool) or not isinstance(answer, int):
+            return False, f"give a sample index (an int) or None, got {answer!r}"
+        if answer == want:
+            return (
+                True,
+                f"sample {want}: pending at sample {want - math_ceil(for_s / interval_s)}, firing {for_s} s later",
+            )
+        first = next((i for i, v in enumerate(samples) if v is not None and v > threshold), None)
+        if answer == first:
+            return False, "that is where it goes pending; it fires only once the condition has held for for_s"
+        return False, f"{answer} is {'too late' if answer > want else 'too early'}"
+
+
+def math_ceil(x: float) -> int:
+    import math
+
+    return math.ceil(x - 1e-9)

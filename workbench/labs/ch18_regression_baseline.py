@@ -23,6 +23,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.bench.regression import compare_results, load_results
+from workbench.labs.exercise_registry import _register
 from workbench.viz.table import Column, Table
 
 #: the shared-prefix trace (``workbench run --dataset prefix-repetition``): one 256-token system prompt,
@@ -244,3 +245,80 @@ def rerun_verdict(report, exit_code: int) -> str:
         "allows while the repeats ran, so the gate saw noise. Record the repeats again on a quieter machine, or with "
         "more of them (record_repeats(..., repeats=5)): the median then sees through more of it."
     )
+
+
+# ---------------------------------------------------------------- exercises
+def _verdict18(baseline: list, new: list, higher_is_better: bool) -> str:
+    import statistics
+
+    ratio = statistics.median(new) / statistics.median(baseline)
+    if higher_is_better:
+        return "regressed" if ratio < 0.80 else "improved" if ratio > 1 / 0.80 else "ok"
+    return "regressed" if ratio > 1.20 else "improved" if ratio < 1 / 1.20 else "ok"
+
+
+@_register(
+    "18.1",
+    "Write verdict(baseline, new, higher_is_better) -> 'regressed' | 'improved' | 'ok' for one metric: baseline and "
+    "new are lists of repeats; compare their medians with the dashboard's limits (a latency regressed above 1.20x "
+    "the baseline, a throughput below 0.80x; improved beyond the inverse limits). The answer is the function.",
+    "ratio = median(new) / median(baseline); for a latency (higher_is_better False) above 1.20 is regressed, below "
+    "1/1.20 improved; for a throughput below 0.80 is regressed, above 1/0.80 improved.",
+)
+class _Verdict:
+    @staticmethod
+    def solution(cases: list):
+        return _verdict18
+
+    @staticmethod
+    def judge(answer, cases: list) -> tuple[bool, str]:
+        if not callable(answer):
+            return False, f"give a function verdict(baseline, new, higher_is_better), got {answer!r}"
+        for c in cases:
+            want = _verdict18(c["baseline"], c["new"], c["higher_is_better"])
+            try:
+                got = answer(list(c["baseline"]), list(c["new"]), c["higher_is_better"])
+            except Exception as e:  # noqa: BLE001 - the learner's code: any error is a wrong answer
+                return False, f"verdict raised {type(e).__name__}: {e} on {c}"
+            if got != want:
+                return False, (
+                    f"on baseline {c['baseline']}, new {c['new']}, higher_is_better={c['higher_is_better']}: got "
+                    f"{got!r}, want {want!r} (medians, not means: one outlier repeat must not move the verdict)"
+                )
+        return True, f"all {len(cases)} cases right: medians over repeats, limits 1.20x / 0.80x"
+
+
+def _regressed18(rows: list) -> set:
+    return {r["key"] for r in rows if r["gated"] and r["verdict"] == "regressed"}
+
+
+@_register(
+    "18.2",
+    "From this comparison's rows, which gated metrics regressed? (a set of metric keys, e.g. {'ttft_p50_s'})",
+    "look at the rows whose 'gated' is True and whose 'verdict' is 'regressed'; tail percentiles are not gated.",
+)
+class _WhichRegressed:
+    @staticmethod
+    def solution(rows: list) -> set:
+        return _regressed18(rows)
+
+    @staticmethod
+    def judge(answer, rows: list) -> tuple[bool, str]:
+        if isinstance(answer, str):
+            answer = {answer}
+        try:
+            got = {str(a) for a in answer}
+        except TypeError:
+            return False, f"give a set of metric keys, got {answer!r}"
+        labels = {r["metric"]: r["key"] for r in rows}
+        got = {labels.get(a, a) for a in got}  # a label ('TTFT median') counts as its key
+        keys = {r["key"] for r in rows}
+        if got - keys:
+            return False, f"{sorted(got - keys)} are not metrics of this report; its keys are {sorted(keys)}"
+        want = _regressed18(rows)
+        if got == want:
+            return True, f"{sorted(want)}: the gated metrics past their limit"
+        ungated = {r["key"] for r in rows if not r["gated"]} & got
+        if ungated:
+            return False, f"{sorted(ungated)} are tail percentiles: reported, not gated"
+        return False, f"not quite: {len(want)} gated metric(s) regressed; compare each ratio with its limit"

@@ -1,10 +1,25 @@
-"""The exercise registry and checker of the chapter notebooks: :class:`Exercise`, :data:`EXERCISES`,
+"""The self-checking exercises of the chapter notebooks: :class:`Exercise`, :data:`EXERCISES`,
 :func:`check`, :func:`solution`, solutions mode.
 
-The chapters' exercise modules (:mod:`workbench.labs.exercises` for chapters 1-6,
-:mod:`workbench.labs.exercises_tuning`, :mod:`workbench.labs.exercises_multigpu`) register into it
-with ``_register``; it imports none of them. See :mod:`workbench.labs.exercises` for how a learner's
-cell uses :func:`check`.
+Each chapter's exercises live at the end of its own module (``workbench/labs/chNN_*.py``) and register
+here with ``_register`` when that module is imported; :func:`check` imports the chapter's module itself
+when its exercises are not registered yet, and :func:`load_all` imports every chapter's.
+
+A learner's cell reads::
+
+    answer = ...            # replace ... with your answer
+    check("1.1", answer)
+
+:func:`check` prints a verdict: not answered yet (with a hint), correct, or not yet (with why).
+Every exercise carries its reference solution, and every call of :func:`check` first verifies
+that solution against the same context (the learner's own run): if the solution does not pass,
+the exercise is broken and :class:`ExerciseBroken` is raised. nbval runs every notebook in CI, so
+a broken exercise cannot ship; ``tests/test_labs.py`` also checks each solution passes and known
+wrong answers fail.
+
+Solutions mode: with ``WORKBENCH_LAB_SOLUTIONS=1`` in the environment, an unanswered exercise
+(``...``) is answered with its solution and checked, so an instructor can run a chapter end to
+end; :func:`solution` returns the solution of one exercise for a given context.
 """
 
 from __future__ import annotations
@@ -16,7 +31,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Exercise", "ExerciseBroken", "EXERCISES", "Verdict", "check", "solution", "solutions_mode"]
+__all__ = [
+    "Exercise",
+    "ExerciseBroken",
+    "EXERCISES",
+    "Verdict",
+    "chapter_module",
+    "check",
+    "load_all",
+    "solution",
+    "solutions_mode",
+]
 
 
 class ExerciseBroken(AssertionError):
@@ -67,12 +92,43 @@ def solution(exercise_id: str, **context: Any) -> Any:
     return _get(exercise_id).solution(**context)
 
 
+def chapter_module(chapter: int) -> str:
+    """The dotted name of chapter ``chapter``'s module (``workbench.labs.chNN_<name>``).
+
+    Raises:
+        KeyError: no module of that chapter."""
+    from pathlib import Path
+
+    found = sorted(Path(__file__).parent.glob(f"ch{chapter:02d}_*.py"))
+    if not found:
+        raise KeyError(f"no chapter {chapter}")
+    return f"workbench.labs.{found[0].stem}"
+
+
+def load_all() -> dict[str, Exercise]:
+    """Import every chapter's module (registering its exercises); :data:`EXERCISES`, in chapter order."""
+    import importlib
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).parent.glob("ch[0-9][0-9]_*.py")):
+        importlib.import_module(f"workbench.labs.{path.stem}")
+    order = sorted(EXERCISES, key=lambda e: tuple(int(p) for p in e.split(".")))  # 2.1 before 10.1
+    return {k: EXERCISES[k] for k in order}
+
+
 def _get(exercise_id: str) -> Exercise:
+    if exercise_id not in EXERCISES:  # the chapter's module registers its exercises when imported
+        import importlib
+
+        try:
+            importlib.import_module(chapter_module(int(str(exercise_id).split(".")[0])))
+        except (KeyError, ValueError):
+            pass
     try:
         return EXERCISES[exercise_id]
     except KeyError:
-        known = sorted(EXERCISES, key=lambda e: tuple(int(p) for p in e.split(".")))  # 2.1 before 10.1
-        raise KeyError(f"no exercise {exercise_id!r}; known: {', '.join(known)}") from None
+        known = ", ".join(load_all())
+        raise KeyError(f"no exercise {exercise_id!r}; known: {known}") from None
 
 
 def check(exercise_id: str, answer: Any = ..., **context: Any) -> Verdict:

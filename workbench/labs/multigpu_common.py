@@ -1,23 +1,41 @@
-"""What chapters 9 and 10 of the labs share: the simulator runs (:func:`sim_run_row` prices a
-Megatron-style split of a catalogue model on named GPUs with NVLink or PCIe links, :mod:`workbench.sim`)
-and the base of their panels (widgets named like the engine arguments, a Run button, a plot).
+"""What the multi-GPU chapters (9, 10, 14) share: the simulator runs (:func:`sim_run_row` prices a
+Megatron-style split of a catalogue model on named GPUs with NVLink or PCIe links, :mod:`workbench.sim`),
+real tensor-parallel engines kept for the session (:func:`tp_engine`, :func:`tp_run`), and the base of
+their panels (widgets named like the engine arguments, a Run button, a plot).
 
-The chapters' own code is in :mod:`workbench.labs.ch09_tensor_parallelism` (chapter 9) and
-:mod:`workbench.labs.ch10_nccl_buffers` (chapter 10); both re-export what they use from here.
+The chapters' own code is in :mod:`workbench.labs.ch09_tensor_parallelism`,
+:mod:`workbench.labs.ch10_nccl_buffers` and :mod:`workbench.labs.ch14_memory_beside_kv`; each re-exports
+what its notebook uses from here.
 """
 
 from __future__ import annotations
 
 import html
+import threading
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 from workbench.labs.panel import RunButtonThread, _accepts
+from workbench.labs.runs import LAB_ENGINE_DEFAULTS, lab_run, lab_trace
 
 MiB = 1 << 20
 
-__all__ = ["MiB", "PCIE_GEN4_LINK", "burst_trace", "sim_hardware", "sim_run_row", "sim_table"]
+__all__ = [
+    "MiB",
+    "PCIE_GEN4_LINK",
+    "burst_trace",
+    "close_engines",
+    "long_trace",
+    "model_dims",
+    "sim_budget",
+    "sim_hardware",
+    "sim_run_row",
+    "sim_table",
+    "tp_engine",
+    "tp_run",
+    "tp_trace",
+]
 
 
 # ====================================================================== simulator (chapters 9 and 10)
@@ -193,7 +211,9 @@ class _Panel(RunButtonThread):
             with self._busy():
                 res = self._run(values)
         except Exception:
-            self.status_text = self.error or ""  # the plain-text status follows the widget's: the error, not the last run
+            self.status_text = (
+                self.error or ""
+            )  # the plain-text status follows the widget's: the error, not the last run
             raise
         self.result = res
         self.history.append((values, res))
@@ -211,3 +231,129 @@ class _Panel(RunButtonThread):
     @abstractmethod
     def _describe(self, values, res) -> str:
         """The status line after a successful run."""
+
+
+# ---------------------------------------------------------------- simulated budgets and long traces (chapters 10 and 14)
+def sim_budget(model: str, gpu: str, tensor_parallel_size: int, spec: dict[str, Any] | None = None, **engine_args: Any):
+    """The simulated engine's memory budget (``MemoryBudget``; buffers from the ``nccl_*`` arguments;
+    ``spec``: further :class:`~workbench.sim.SimSpec` fields, e.g. ``custom_all_reduce``)."""
+    from workbench.catalog import MODELS
+    from workbench.config import EngineConfig
+    from workbench.sim import SimEngine, SimSpec
+
+    args = {"max_model_len": 4096, "max_num_seqs": 256} | engine_args
+    eng = SimEngine(
+        EngineConfig(**args),
+        SimSpec(MODELS[model], sim_hardware(gpu, _own_link(gpu)), tensor_parallel_size, **(spec or {})),
+    )
+    return eng.memory
+
+
+def long_trace(num_requests: int = 256, seed: int = 0):
+    """Requests long enough that the KV pool binds at TP=4 (prompts 1,500-3,000 tokens, outputs
+    200-400, uniform, seeded, EOS ignored), all arriving at t = 0."""
+    import numpy as np
+
+    from workbench.sim.trace import TraceRequest
+
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(1500, 3000, num_requests)
+    outputs = rng.integers(200, 400, num_requests)
+    return [TraceRequest(0.0, int(p), int(o), False) for p, o in zip(prompts, outputs)]
+
+
+# ---------------------------------------------------------------- real tensor-parallel engines (chapters 9 and 14)
+def tp_trace(num_requests: int = 4, max_output: int = 8, seed: int = 0):
+    """The chapter's small trace: ``num_requests`` short real prompts (at most 200 characters),
+    seeded output lengths of at most ``max_output`` tokens (:func:`~workbench.labs.runs.lab_trace`).
+
+    Small on purpose: a TP=3 engine runs three processes on this machine's cores, and every
+    step is 64 collectives."""
+    return lab_trace(num_requests, mean_output=max_output / 2, max_output=max_output, seed=seed, max_prompt_chars=200)
+
+
+_ENGINES: dict[int, tuple[dict, Any]] = {}
+
+
+_ENGINES_LOCK = threading.Lock()
+
+
+def tp_engine(tensor_parallel_size: int, **engine_args: Any):
+    """A real engine (``LLM``) at ``tensor_parallel_size``, built once and kept for the session.
+
+    The same arguments return the same engine (a TP=3 engine's two worker processes each load
+    the model: building one costs tens of seconds on a 2-core machine). Only one
+    tensor-parallel group can exist in a process, so building a TP > 1 engine with other
+    arguments shuts the previous TP > 1 engine down first. :func:`close_engines` stops them all.
+
+    Args:
+        tensor_parallel_size: ranks (the bundled model takes 1 or 3: 9 heads, 3 KV heads).
+        **engine_args: :class:`~workbench.config.EngineConfig` fields over the lab defaults.
+
+    Raises:
+        ValueError: a size that does not split the model (names the valid sizes), bad arguments.
+    """
+    from workbench.entrypoints.llm import LLM
+
+    args = LAB_ENGINE_DEFAULTS | engine_args | {"tensor_parallel_size": tensor_parallel_size}
+    with _ENGINES_LOCK:
+        held = _ENGINES.get(tensor_parallel_size)
+        if held is not None and held[0] == args and _alive(held[1]):
+            return held[1]
+        if held is not None:
+            held[1].shutdown()
+            del _ENGINES[tensor_parallel_size]
+        if tensor_parallel_size > 1:  # one process group per process
+            for tp in [t for t in _ENGINES if t > 1]:
+                _ENGINES.pop(tp)[1].shutdown()
+        llm = LLM(**args)
+        _ENGINES[tensor_parallel_size] = (args, llm)
+        return llm
+
+
+def _alive(llm) -> bool:
+    tp = getattr(llm.llm_engine, "_tp", None)
+    return tp is None or tp.is_alive
+
+
+def close_engines() -> None:
+    """Shut down every engine :func:`tp_engine` keeps (stops the worker processes)."""
+    with _ENGINES_LOCK:
+        for _, llm in _ENGINES.values():
+            llm.shutdown()
+        _ENGINES.clear()
+
+
+def _threads_per_rank(n: int) -> int:
+    import os
+
+    return max(1, (os.cpu_count() or 1) // n)
+
+
+def tp_run(tensor_parallel_size: int, records, threads: int | None = None, **engine_args):
+    """One real run of ``records`` on :func:`tp_engine`'s engine at this size.
+
+    Args:
+        threads: torch threads of this process during the run (``None``: leave them); the TP
+            workers keep their own (``cores // tensor_parallel_size``, at least 1).
+    """
+    import torch
+
+    llm = tp_engine(tensor_parallel_size, **engine_args)
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return lab_run(records, llm=llm)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def model_dims(llm) -> dict[str, int]:
+    """``{"hidden_size", "num_hidden_layers", "dtype_bytes"}`` of a running engine's model."""
+    eng = llm.llm_engine
+    cfg = eng.hf_config
+    import torch
+
+    elem = torch.empty((), dtype=eng.config.torch_dtype).element_size()
+    return {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers, "dtype_bytes": elem}

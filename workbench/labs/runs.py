@@ -27,6 +27,9 @@ __all__ = [
     "run_summary",
     "breakdown_rows",
     "breakdown_table",
+    "lab_engine",
+    "memory_timeline",
+    "waste_figure",
 ]
 
 #: engine arguments every lab run starts from (a learner's panel or call overrides them)
@@ -236,3 +239,28 @@ def breakdown_table(rows: Sequence[dict[str, Any]], columns=SUMMARY_COLUMNS, fir
 def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks a paged sequence of ``tokens`` tokens holds: ``ceil(tokens / block_size)``."""
     return math.ceil(tokens / block_size)
+
+
+# ---------------------------------------------------------------- an engine and a run's figures, for several chapters
+def lab_engine(**engine_args: Any):
+    """A real engine (an ``LLM``) with the lab defaults (the bundled model unless ``model=`` is given)."""
+    from workbench.entrypoints.llm import LLM
+
+    return LLM(**(LAB_ENGINE_DEFAULTS | engine_args))
+
+
+def waste_figure(results: dict[str, Any]):
+    """Where each run's KV memory went (:func:`workbench.viz.figures.waste_bars_figure`)."""
+    from workbench.viz.figures import waste_bars_figure
+
+    return waste_bars_figure({k: [s.to_dict() for s in r.recorder.steps] for k, r in results.items()})
+
+
+def memory_timeline(result, title: str | None = None):
+    """The five KV-pool categories over one run (:func:`workbench.viz.figures.memory_timeline_figure`)."""
+    from workbench.viz.figures import memory_timeline_figure
+
+    fig = memory_timeline_figure([s.to_dict() for s in result.recorder.steps], unit="tokens")
+    if title:
+        fig.update_layout(title=title)
+    return fig

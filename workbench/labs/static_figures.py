@@ -42,16 +42,16 @@ def write_png(fig, path: str | Path, width: int = 1000, height: int = 500) -> Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench.labs import chapters as ch
-    from workbench.labs.runs import lab_trace
+    from workbench.labs.ch02_fragmentation_live import compare_allocators
+    from workbench.labs.runs import lab_trace, memory_timeline, waste_figure
     from workbench.viz.figures import block_map_figure
 
     args = sys.argv[1:] if argv is None else argv
     out = Path(args[0] if args else "docs/img")
-    results = ch.compare_allocators(records=lab_trace(), num_gpu_blocks_override=48, block_map_every=2)
-    written = [write_png(ch.waste_figure(results), out / "waste_bars.png", 1100, 520)]
+    results = compare_allocators(records=lab_trace(), num_gpu_blocks_override=48, block_map_every=2)
+    written = [write_png(waste_figure(results), out / "waste_bars.png", 1100, 520)]
     for name in ("paged", "orca-pow2"):
-        fig = ch.memory_timeline(results[name], f"{name}: the KV pool over the run (lab trace, 48 blocks)")
+        fig = memory_timeline(results[name], f"{name}: the KV pool over the run (lab trace, 48 blocks)")
         written.append(write_png(fig, out / f"memory_timeline_{name}.png", 1000, 450))
     maps = results["orca-pow2"].recorder.block_maps
     if maps:

@@ -6,7 +6,7 @@ run folder's ``config.json``): ``capacity_bytes``, ``gpu_memory_utilization``, `
 ``activation_bytes``, ``comm_buffer_bytes``, ``non_torch_bytes`` (and ``other_torch_bytes`` on CUDA), ``kv_pool_bytes``, ``num_blocks``,
 ``block_size`` (tokens), ``kv_bytes_per_token``, ``block_bytes``, ``kv_pool_tokens``,
 ``max_model_len``, ``max_concurrency``, ``source`` and ``device_name``. The names of the parts are
-chapter 1's (:func:`workbench.labs.chapters.budget_table` uses these rows).
+chapter 1's (:func:`workbench.labs.ch01_kv_cache_anatomy.budget_table` uses these rows).
 """
 
 from __future__ import annotations

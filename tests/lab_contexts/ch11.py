@@ -1,0 +1,9 @@
+"""Contexts and known wrong answers of chapter 11's exercises (``workbench/labs/ch11_your_own_allocator.py``): your own allocator."""
+
+# 11.1: the learner's allocator class, through the conformance check (workbench.labs.ch11_your_own_allocator)
+from workbench.labs.ch11_your_own_allocator import EXERCISE_CONTEXT as _EX_11_1
+from workbench.labs.ch11_your_own_allocator import DoubleHandNextFit as _DoubleHand
+from workbench.labs.ch11_your_own_allocator import LeakyNextFit as _Leaky
+
+CONTEXTS: dict = {"11.1": dict(_EX_11_1)}
+WRONG: dict = {"11.1": [_Leaky, _DoubleHand, "next-fit", dict]}
