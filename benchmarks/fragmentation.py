@@ -1,7 +1,7 @@
 """Reproduce the vLLM paper's Fig. 2 / Fig. 13 comparison on this machine, and static vs grouped
 vs continuous batching.
 
-Part ``allocators``: real prompts (ShareGPT from ../shared/data when present, else the project's
+Part ``allocators``: real prompts (ShareGPT from shared/data beside the checkout when present, else the project's
 own prompts), each replayed at a true output length (``--true-output-lens``: by default seeded,
 long-tailed, exponential of mean 64 tokens; ``model`` = the model's own, measured by a paged run)
 under a cap well above them (``--max-tokens`` 512), a KV pool small enough that memory binds. Each

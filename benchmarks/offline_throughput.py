@@ -131,7 +131,7 @@ def load_token_prompts(tokenizer, num_prompts: int, max_prompt_len: int, dataset
     """The benchmark's token-id prompts and a description of where they came from.
 
     The first ``num_prompts`` prompts of ``dataset`` (default: ShareGPT_V3_filtered_500.json in
-    ``../shared/data`` when present, else the project's default prompts), with the chat template
+    ``shared/data`` beside the checkout when present, else the project's default prompts), with the chat template
     applied, encoded without extra special tokens, and cut to ``max_prompt_len`` tokens. A cut
     keeps the template's closing tokens (end of the user turn and the assistant header), so a
     truncated prompt still asks for an answer.
@@ -691,7 +691,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--dataset",
         default=None,
-        help="prompt file (default: ../shared/data/sharegpt/ShareGPT_V3_filtered_500.json beside the checkout if present, else datasets/default_prompts.jsonl)",
+        help="prompt file (default: shared/data/sharegpt/ShareGPT_V3_filtered_500.json beside the checkout if present, else datasets/default_prompts.jsonl)",
     )
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON output (default {DEFAULT_OUT.relative_to(REPO)})")
     args = p.parse_args(argv)

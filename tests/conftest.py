@@ -100,7 +100,7 @@ def bundled_llm():
 
 
 def real_prompts(n: int) -> list[str]:
-    """``n`` real-world prompts: ShareGPT (../shared/data) when present, else the project's own."""
+    """``n`` real-world prompts: ShareGPT (shared/data beside the checkout) when present, else the project's own."""
     from workbench.bench.datasets import default_prompts, load_prompts
 
     if SHAREGPT_500.exists():

@@ -142,7 +142,7 @@ def test_bfloat16_logits_stay_within_the_bound_of_float32_and_agree_with_transfo
     bfloat16) the engine rounds in places of its own: its logits are a few bfloat16 steps (0.125 at logits of
     16-32) from transformers' bfloat16 ones, and on average no further from float32's than transformers' own
     bfloat16 are (12-04, 16 ShareGPT prompts: 0.378 against 0.364, worst prompt 0.595 against 0.569; the
-    project's own prompts, where ShareGPT is absent: see docs/benchmarks.md)."""
+    project's own prompts, where ShareGPT is absent: see docs/benchmarks.md, section "The layer glue in C++")."""
     got = _prefill_logits(bf16_llm, chat_ids)
     flips = 0
     errs, hf_errs = [], []

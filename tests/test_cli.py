@@ -58,7 +58,7 @@ def test_run_jsonl_dataset_with_a_refused_prompt(tmp_path):
     assert "refused" in res.output and "max_model_len=128" in res.output
 
 
-@pytest.mark.skipif(not SHAREGPT_500.exists(), reason="../shared/data/sharegpt is not on this machine")
+@pytest.mark.skipif(not SHAREGPT_500.exists(), reason="shared/data/sharegpt (beside the checkout) is not on this machine")
 @pytest.mark.slow
 def test_run_sharegpt_dataset(tmp_path):
     res = _run(

@@ -3,7 +3,8 @@ against what the device itself reports.
 
 Skipped without CUDA (CI has no GPU). Run on a GPU machine with ``pytest -o addopts="" tests/test_cuda.py
 tests/test_kernels.py tests/test_tensor_parallel.py -k "cuda or nccl"``; ``benchmarks/gpu_check.sh`` runs them
-with the kernel benchmark, and docs/benchmarks.md records what one such run measured.
+with the kernel benchmark, and docs/benchmarks.md (section "Triton kernels on a GPU") records what one such run
+measured.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def shared_data_dir() -> Path:
-    """``<repo>/../shared/data``: read-only public data beside the checkout, absent on most machines."""
+    """``shared/data`` beside the checkout (a sibling of ``<repo>``): read-only public data beside the checkout, absent on most machines."""
     return Path(__file__).resolve().parents[2] / "shared" / "data"
 
 

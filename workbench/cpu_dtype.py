@@ -73,7 +73,7 @@ def auto_dtype(device: torch.device | str = "cpu") -> tuple[torch.dtype, str]:
 
     CPU: bfloat16 where the CPU has native bfloat16 (:func:`cpu_native_bfloat16`: its matmuls run
     several times faster than float32 ones and its KV cache takes half the bytes; see docs/benchmarks.md, section
-    "CPU speed: bfloat16 where the CPU has it, and the distance to the machine's limit"), else float32, as vLLM's
+    "bfloat16 against float32"), else float32, as vLLM's
     CPU backend.
     Other devices: float32 (the engine's reference precision; pass ``dtype="bfloat16"`` or ``"float16"``)."""
     if torch.device(device).type != "cpu":

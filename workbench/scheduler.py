@@ -268,7 +268,7 @@ class Scheduler:
         bs = self.kv.block_size
         # the decode fast path: while no block is shared, a decode inside the blocks it holds needs
         # nothing from the KV manager (KVManager.may_share_blocks; see docs/benchmarks.md, section
-        # "Replay speed: two hours at 12 requests/s, 70B on 4×A100-80GB")
+        # "Replay speed")
         skip_covered = not self.kv.may_share_blocks
         # only a priority victim is chosen among the requests not scheduled yet; the FCFS victim,
         # running[-1], comes after the request being scheduled, so never is one

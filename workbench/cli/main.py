@@ -1,7 +1,7 @@
 """``workbench`` command line (click).
 
 workbench run                      # the bundled model on the project's prompts, report under runs/
-workbench run --dataset ../shared/data/sharegpt/ShareGPT_V3_filtered_500.json --num-prompts 32
+workbench run --dataset path/to/ShareGPT_V3_filtered_500.json --num-prompts 32
 """
 
 from __future__ import annotations

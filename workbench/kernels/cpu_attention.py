@@ -2,7 +2,7 @@
 
 The reference backend gathers each decode sequence's blocks into a padded tensor and calls SDPA; for one query token
 per sequence most of that time is the copy and a kernel shaped for long queries (see docs/benchmarks.md, section
-"Decode attention in C++"). This kernel reads every K/V row where it lies in the cache, as vLLM's CPU
+"The C++ decode kernel"). This kernel reads every K/V row where it lies in the cache, as vLLM's CPU
 ``paged_attention_v1`` does, accumulating in float32; in bfloat16 with head_dim 64 or 128 on AVX512-BF16 it takes 16
 positions per step with the dot-product instruction (q·k, then p·V with p rounded to bfloat16, as SDPA's bfloat16
 kernel does), and ``rowwise=True`` takes the row-wise kernel (one dot product per position and head), the

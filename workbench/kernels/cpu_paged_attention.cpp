@@ -201,11 +201,11 @@ void decode_bf16_dot(const c10::BFloat16* q, const c10::BFloat16* k_cache, const
 // one long prompt and many decodes share a step.
 constexpr int64_t kTileRows = 8;
 // How far ahead to prefetch, in positions: the distance that was best of those tried (see docs/benchmarks.md,
-// section "Decode rows 16 positions per step, and the chunk kernel's q·k on transposed K").
+// section "The C++ decode kernel").
 constexpr int64_t kAhead = 32;
 // How much of the next sequence's K and V the decode kernel prefetches to L2 while it computes the current one:
 // 384 KiB, 512 positions of SmolLM2-135M, 37.5% of a 1 MiB L2 (see docs/benchmarks.md, section
-// "The decode kernel prefetches the next sequence").
+// "The C++ decode kernel").
 constexpr int64_t kNextBytes = 384 * 1024;
 constexpr float kMasked = -1e30f;  // finite: -ffast-math assumes no infinities
 
@@ -498,7 +498,7 @@ void attend_chunks(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c
 // computes the current one it prefetches the next one's K and V rows to L2, in position order, ``quota`` cache lines
 // at a time between pieces of work. Without it the kernel's memory traffic and its arithmetic take turns out of
 // cache (benchmarks/cpu_attention.py --layers 30; see docs/benchmarks.md, section
-// "The decode kernel prefetches the next sequence"): spread this way they overlap.
+// "The C++ decode kernel"): spread this way they overlap.
 // Only the first positions up to kNextBytes of K and V are fetched so, leaving room in L2 for the current sequence.
 struct NextSequencePrefetch {
   const int64_t* table = nullptr;

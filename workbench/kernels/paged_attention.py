@@ -226,7 +226,7 @@ def use_split_kv(
     and the single-pass grid (``num_seqs * num_kv_heads`` programs) would leave most SMs idle (fewer than
     two programs per SM). vLLM's rule is similar (v1 when one partition, or when ``num_seqs * num_heads >
     512``). The partition threshold comes from timing both variants on a GPU (``benchmarks/bench_kernels.py``;
-    see docs/benchmarks.md, section "Triton kernels: decode bandwidth and prefill TFLOP/s")."""
+    see docs/benchmarks.md, section "The split-KV rule")."""
     return max_context_len >= SPLIT_KV_MIN_PARTITIONS * partition_size and num_seqs * num_kv_heads < 2 * _num_sms(
         device
     )

@@ -59,7 +59,7 @@ class KVManager(ABC):
         """``True`` once some block may have two owners (a fork, a prefix-cache hit). While ``False``,
         :meth:`allocate_slots` for tokens the request's blocks already cover is a no-op returning
         ``True``, which the scheduler skips (the decode fast path; see docs/benchmarks.md, section
-        "Replay speed: two hours at 12 requests/s, 70B on 4×A100-80GB")."""
+        "Replay speed")."""
         return False
 
     # ------------------------------------------------------------------ slots

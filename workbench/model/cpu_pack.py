@@ -5,8 +5,7 @@ its blocked layout for the CPU's bfloat16 instructions (AVX512-BF16 or AMX tiles
 when the model is built, and calling oneDNN with the packed weight (``torch.ops.mkldnn._reorder_linear_weight`` and
 ``_linear_pointwise``, what ``torch.compile``'s CPU backend emits with weight freezing, and what Intel's extension
 for PyTorch and vLLM's CPU backend do) skips that work: the same products, bit for bit, sooner (most at decode's
-small batches; see docs/benchmarks.md, section "CPU speed: bfloat16 where the CPU has it, and the distance to the
-machine's limit").
+small batches; see docs/benchmarks.md, section "Prepacked weights and the LM head").
 
 Only bfloat16 on CPU: float32 matmuls go through MKL's ``sgemm`` (no reorder to save, and the float32 reference
 must stay bit-identical to transformers). The packed weight replaces the dense one, whose parameter is left on the
@@ -69,8 +68,7 @@ def prepack_linears(model: nn.Module, pack_head: bool = True) -> int:
 
     The LM head is the step's largest product (``[sampling rows, hidden] x [hidden, vocab]``); it is packed
     because the packed product is faster at the shapes a step samples (``benchmarks/offline_throughput.py``'s
-    matmul part; see docs/benchmarks.md, section "The LM head packed, the chunk kernel 32 positions per step, and
-    every system in one run again")."""
+    matmul part; see docs/benchmarks.md, section "Prepacked weights and the LM head")."""
     n = 0
     for m in model.modules():
         if hasattr(m, "packed_weight") and m.packed_weight is None:

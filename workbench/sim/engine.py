@@ -421,7 +421,7 @@ class SimEngine(LLMEngine):
         # The replay allocates many short-lived objects that form no reference cycles (step
         # schedules, step records); the cyclic collector's passes over the growing heap would cost
         # time and free nothing, so it is off while it runs (see docs/benchmarks.md, section
-        # "Replay speed: two hours at 12 requests/s, 70B on 4×A100-80GB").
+        # "Replay speed").
         enabled = gc.isenabled()
         gc.disable()
         try:
