@@ -203,7 +203,11 @@ def test_workbench_lab_command(tmp_path, monkeypatch):
     assert (
         cmd[1:3] == ["-m", "jupyterlab"] and "--no-browser" in cmd and "--port=9999" in cmd and "--ip=127.0.0.1" in cmd
     )
-    assert any(c.startswith("--ServerApp.root_dir=") and c.endswith("labs") for c in cmd)
+    from pathlib import Path
+
+    root = Path(next(c for c in cmd if c.startswith("--ServerApp.root_dir=")).split("=", 1)[1])
+    assert root == Path(__file__).resolve().parents[1] / "labs"  # the notebooks, not the package workbench/labs
+    assert (root / "01_kv_cache_anatomy.ipynb").exists()
 
 
 def test_learner_function_mistakes_get_clear_verdicts(capsys):

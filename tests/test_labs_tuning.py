@@ -288,10 +288,9 @@ def test_panels_show_refused_values_in_their_status_line(tiny_model):
 
 def test_chapter_modules_are_reached_from_the_package():
     import importlib
+    from pathlib import Path
 
     from workbench import labs
-
-    from pathlib import Path
 
     chapters = sorted(p.stem for p in Path(labs.__file__).parent.glob("ch[0-9][0-9]_*.py"))
     assert len(chapters) == 18

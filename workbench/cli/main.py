@@ -341,7 +341,7 @@ def lab(labs_dir, port, no_browser, jupyter_args):
     if importlib.util.find_spec("jupyterlab") is None:
         raise click.ClickException("JupyterLab is not installed: pip install -e '.[lab,triton]'")
     if labs_dir is None:
-        here = Path(__file__).resolve().parents[1] / "labs"
+        here = Path(__file__).resolve().parents[2] / "labs"  # the checkout's notebooks: <repo>/workbench/cli/main.py
         labs_dir = here if here.is_dir() else Path.cwd()
     labs_dir = Path(labs_dir)
     if not labs_dir.is_dir():
