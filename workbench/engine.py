@@ -28,6 +28,7 @@ from workbench.kv.defrag import Defragmenter
 from workbench.memory import MemoryBudget, resolve_lengths, swap_pool_blocks
 from workbench.metrics import Recorder, request_record
 from workbench.metrics.accounting import PoolAccounting, block_map
+from workbench.metrics.kv_events import start_kv_events
 from workbench.metrics.stats import step_stats
 from workbench.output_processor import OutputProcessor
 from workbench.outputs import CompletionOutput, RequestOutput
@@ -109,6 +110,7 @@ class LLMEngine:
         #: the KV pool's split, step by step, settled when requests release their blocks
         self.accounting = PoolAccounting(self.kv)
         self.defrag = Defragmenter.from_config(config, self.kv, self.memory.block_bytes, self.accounting)
+        self.kv_event_publisher = start_kv_events(config)  # None unless kv_events_config turns events on
         self.requests: dict[str, Request] = {}  # every unfinished sequence, by its own id
         self.groups: dict[str, list[Request]] = {}  # the user's request id -> its n sequences
         self._refused: list[Request] = []
@@ -245,8 +247,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and free the process group (no-op on one device;
-        idempotent; also done at garbage collection and interpreter exit). Use the engine (or
-        :class:`LLM`) as a context manager to call it on leaving the block."""
+        idempotent; also done at garbage collection and interpreter exit) and the KV-event publisher. Use
+        the engine (or :class:`LLM`) as a context manager to call it on leaving the block."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         self.executor.shutdown()
 
     def __enter__(self) -> LLMEngine:
@@ -293,6 +297,8 @@ class LLMEngine:
             if self.output.num_detokenizing:
                 finished += self.output.stop_strings([self.requests[rid] for rid in result.sampled], self.scheduler)
         t_end = self.clock()
+        if self.kv_event_publisher:  # this step's stored and evicted blocks: one batch (none if nothing changed)
+            self.kv_event_publisher.publish(self.kv.take_events())
         if not out.is_empty or finished or out.preempted:
             self._record_step(out, finished, t_start, t_end, t_sched - t_start + result.overhead_s, result)
         outputs = self.output.make_outputs(self.groups, finished, result.sampled, self.start_time)

@@ -3,6 +3,7 @@ allocation (block pool, block tables, prefix caching, swap) and the contiguous b
 
 from workbench.config import BUILTIN_ALLOCATORS
 from workbench.kv.block_pool import BlockPool
+from workbench.kv.events import EventedKVCacheManager, kv_events_enabled
 from workbench.kv.interface import KVManager
 from workbench.kv.manager import KVCacheManager
 from workbench.plugins import load_plugin
@@ -29,7 +30,8 @@ def make_kv_manager(config, num_blocks: int, num_cpu_blocks: int = 0) -> KVManag
     name = f"workbench.kv.{BUILTIN_ALLOCATORS[name]}" if name in BUILTIN_ALLOCATORS else name
     if name == "paged":
         args = (config.enable_prefix_caching, num_cpu_blocks, config.prefix_cache_eviction)
-        return KVCacheManager(num_blocks, config.block_size, *args)
+        cls = EventedKVCacheManager if kv_events_enabled(config) else KVCacheManager  # --kv-events-config
+        return cls(num_blocks, config.block_size, *args)
     if ":" in name:
         return plugin_class(name)(num_blocks, config.block_size)
     from workbench.kv.contiguous import ContiguousKVCacheManager

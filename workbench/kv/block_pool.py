@@ -20,6 +20,7 @@ class BlockPool:
         block_hash: the content hash of each cached (full, prefix-cacheable) block, else ``None``.
         cached: hash -> block id, for every block that holds a cached full block.
         num_evictions: cached blocks evicted (handed out for new content) so far.
+        events: when recorded (:mod:`workbench.kv.events`), the hashes of evicted blocks (among others), else ``None``.
     """
 
     def __init__(self, num_blocks: int, eviction_policy: str = "lru") -> None:
@@ -32,6 +33,7 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.events: list | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,6 +57,8 @@ class BlockPool:
                 del self.cached[h]
                 self.block_hash[b] = None
                 self.num_evictions += 1
+                if self.events is not None:
+                    self.events.append(h)
             self.ref_cnt[b] = 1
             out.append(b)
         return out
@@ -73,12 +77,14 @@ class BlockPool:
         self.ref_cnt[block_id] += 1
         self.ever_shared = True
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Register a full block's content hash (first writer wins; a duplicate stays uncached)."""
+    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
+        """Register a full block's content hash; True if it entered the cache (a duplicate stays uncached)."""
         if block_hash not in self.cached and self.block_hash[block_id] is None:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
             self.policy.register(block_id)
+            return True
+        return False
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference of each block; a block whose count reaches 0 goes back to the policy, in reverse order
