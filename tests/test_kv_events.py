@@ -194,11 +194,32 @@ def test_the_wire_layout_is_vllms():
         ('{"publisher": "kafka"}', "publisher='kafka'"),
         ('{"endpoint": "localhost:5557"}', "endpoint='localhost:5557' must be a ZMQ address"),
         ('{"hwm": 0}', "hwm=0 must be a whole number"),
+        ('{"endpoint": "tcp://127.0.0.1:99999"}', "port 1-65535"),  # ZMQ would wrap it to another port
+        ('{"endpoint": "tcp://127.0.0.1:abc"}', "endpoint='tcp://127.0.0.1:abc'"),
+        ('{"replay_endpoint": "127.0.0.1:5558"}', "replay_endpoint='127.0.0.1:5558'"),
     ],
 )
 def test_a_bad_config_names_the_field(value, match):
     with pytest.raises(ValueError, match=match):
         KVEventsConfig.parse(value)
+
+
+def test_an_address_in_use_is_named_and_a_wildcard_port_resolved():
+    from workbench.metrics.kv_events import ZmqEventPublisher, binds
+
+    assert binds("tcp://127.0.0.1:5557") and binds("tcp://localhost:5557") and binds("tcp://*:5557")
+    assert not binds("tcp://192.0.2.2:5557")  # another host: connected to, as vLLM does
+    first = ZmqEventPublisher(KVEventsConfig(True, endpoint="tcp://127.0.0.1:*"))
+    try:
+        port = int(first.address.rsplit(":", 1)[1])
+        assert first.address.startswith("tcp://127.0.0.1:") and port > 0
+        with pytest.raises(ValueError, match=f"cannot open endpoint='tcp://127.0.0.1:{port}'"):
+            ZmqEventPublisher(KVEventsConfig(True, endpoint=f"tcp://127.0.0.1:{port}"))
+        free = KVEventsConfig(True, endpoint="tcp://127.0.0.1:*", replay_endpoint=f"tcp://127.0.0.1:{port}")
+        with pytest.raises(ValueError, match=f"cannot open replay_endpoint='tcp://127.0.0.1:{port}'"):
+            ZmqEventPublisher(free)
+    finally:
+        first.shutdown()
 
 
 def test_config_defaults_follow_vllm():

@@ -144,12 +144,10 @@ class KVEventsConfig:
         for name in ("endpoint", "topic"):
             if not isinstance(getattr(self, name), str):
                 raise bad(name, "a string")
-        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise bad("endpoint", "a ZMQ address: tcp://host:port, ipc://path or inproc://name")
-        if self.replay_endpoint is not None and not (
-            isinstance(self.replay_endpoint, str) and self.replay_endpoint.startswith(("tcp://", "ipc://", "inproc://"))
-        ):
-            raise bad("replay_endpoint", "null or a ZMQ address (tcp://host:port, ipc://path, inproc://name)")
+        if not _zmq_address(self.endpoint):
+            raise bad("endpoint", "a ZMQ address: tcp://host:port (port 1-65535), ipc://path or inproc://name")
+        if self.replay_endpoint is not None and not _zmq_address(self.replay_endpoint):
+            raise bad("replay_endpoint", "null or a ZMQ address: tcp://host:port (port 1-65535), ipc://path, inproc://name")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -159,6 +157,18 @@ class KVEventsConfig:
     def publishes(self) -> bool:
         """Events are recorded and sent over ZMQ."""
         return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def _zmq_address(value) -> bool:
+    """``tcp://host:port`` with a port in 1-65535 (ZMQ would wrap a larger one silently) or ``*``, ``ipc://`` or
+    ``inproc://`` with a name."""
+    if not isinstance(value, str):
+        return False
+    if value.startswith(("ipc://", "inproc://")):
+        return len(value.split("://", 1)[1]) > 0
+    host, _, port = value.removeprefix("tcp://").rpartition(":")
+    ok_port = port == "*" or (port.isdigit() and 1 <= int(port) <= 65535)  # "*": a free port, when bound
+    return value.startswith("tcp://") and bool(host) and ok_port
 
 
 def kv_events_enabled(config) -> bool:

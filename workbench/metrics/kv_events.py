@@ -44,7 +44,8 @@ def start_kv_events(config) -> ZmqEventPublisher | NullEventPublisher | None:
     if not events.publishes:
         return NullEventPublisher()
     pub = ZmqEventPublisher(events)
-    log.info("KV-cache events: publishing on %s (replay: %s)", events.endpoint, events.replay_endpoint)
+    how = "bound" if binds(events.endpoint) else "connected to"
+    log.info("KV-cache events: publishing on %s (%s; replay: %s)", pub.address, how, events.replay_endpoint)
     return pub
 
 
@@ -79,20 +80,24 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._replay = None
+        opening = "endpoint"
         try:
             if binds(config.endpoint):
                 self._pub.bind(config.endpoint)
             else:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint:
+                opening = "replay_endpoint"
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ValueError(
-                f"kv_events_config: cannot open endpoint={config.endpoint!r} (replay_endpoint="
-                f"{config.replay_endpoint!r}): {e}; give a free address, e.g. tcp://*:5558 or ipc:///tmp/kv-events"
+                f"kv_events_config: cannot open {opening}={getattr(config, opening)!r}: {e}; give another address, "
+                "e.g. another free port on tcp://127.0.0.1"
             ) from None
+        #: the address the PUB socket is bound or connected to (a wildcard port resolved)
+        self.address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or config.endpoint
         #: batches queued by :meth:`publish` and sent on the PUB socket so far
         self.num_queued = self.num_published = 0
         self._thread = threading.Thread(target=self._run, name="workbench-kv-events", daemon=True)

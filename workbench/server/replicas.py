@@ -187,7 +187,10 @@ class Replicas:
         if self.kv_events:
             engine_args["enable_prefix_caching"] = True
         self.block_size = engine_args.get("block_size", 16)
-        self.model_name = engine_args.get("served_model_name", "smollm2-135m")
+        from workbench.config import DEFAULT_MODEL
+
+        # the served name, as workbench serve picks it (--kv-event-model: the router's identity of the model)
+        self.model_name = engine_args.get("served_model_name") or engine_args.get("model", DEFAULT_MODEL)
         threads = threads or max(1, (os.cpu_count() or 1) // n)
         self.event_endpoints: list[str | None] = []
         self.servers: list[ServerProcess] = []
