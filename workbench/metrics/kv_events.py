@@ -104,10 +104,11 @@ class ZmqEventPublisher:
         self._thread.start()
 
     def publish(self, events: list[KVCacheEvent], ts: float | None = None) -> None:
-        """Queue one batch (nothing when ``events`` is empty); ``ts``: seconds since the epoch (now)."""
+        """Queue one batch (nothing when ``events`` is empty; encoded on the publisher's thread, off the step);
+        ``ts``: seconds since the epoch (now)."""
         if events:
             self.num_queued += 1
-            self._queue.put(encode_batch(time.time() if ts is None else ts, events, self.data_parallel_rank))
+            self._queue.put((time.time() if ts is None else ts, events))
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (for at most ``timeout_s``), then close the sockets. Idempotent."""
@@ -126,11 +127,12 @@ class ZmqEventPublisher:
                 except Exception:  # a malformed request must not stop publishing
                     log.exception("KV-event replay request failed")
             try:
-                payload = self._queue.get(timeout=0.05)
+                item = self._queue.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if payload is None:
+            if item is None:
                 return
+            payload = encode_batch(*item, self.data_parallel_rank)
             seq = self._seq
             self._seq += 1
             self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))

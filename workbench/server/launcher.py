@@ -29,6 +29,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def answers_200(url: str) -> bool:
+    """``GET url`` answers 200 (within 2 s)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, log_tail) -> float:
+    """Poll ``url`` until it answers 200; the seconds waited. ``RuntimeError`` naming ``what`` with
+    ``log_tail()`` when ``proc`` exits first or ``timeout`` seconds pass (the caller stops it)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_tail()}")
+        if answers_200(url):
+            return time.monotonic() - t0
+        time.sleep(0.25)
+    raise RuntimeError(f"{what} did not answer {url} within {timeout} s:\n{log_tail()}")
+
+
+def stop_process(proc: subprocess.Popen | None, timeout: float, sig: int = signal.SIGTERM) -> int | None:
+    """Send ``sig``, wait, SIGKILL after ``timeout`` seconds; the exit code (``None``: never started)."""
+    if proc is None or proc.poll() is not None:
+        return proc.returncode if proc else None
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(10)
+
+
 class ServerProcess:
     """``workbench serve`` in a child process.
 
@@ -104,24 +138,16 @@ class ServerProcess:
     def wait_ready(self) -> float:
         """Wait until ``/health`` answers 200; return the seconds waited. Raises ``RuntimeError``
         (with the end of the log) when the process exits first or ``startup_timeout`` passes."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < self.startup_timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"workbench serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if self.healthy():
-                return time.monotonic() - t0
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(
-            f"workbench serve did not answer /health within {self.startup_timeout} s:\n{self.log_tail()}"
-        )
+        try:
+            return wait_until_healthy(
+                self.proc, self.base_url + "/health", self.startup_timeout, "workbench serve", self.log_tail
+            )
+        except RuntimeError:
+            self.stop()
+            raise
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return answers_200(self.base_url + "/health")
 
     def log_tail(self, lines: int = 30) -> str:
         """The last lines of the server's output."""
@@ -131,14 +157,7 @@ class ServerProcess:
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
         """Send ``sig`` (SIGTERM: a graceful shutdown), wait, SIGKILL after ``stop_timeout``; return the exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
+        return stop_process(self.proc, self.stop_timeout, sig)
 
     def __enter__(self) -> ServerProcess:
         return self.start()
@@ -147,4 +166,4 @@ class ServerProcess:
         self.stop()
 
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "answers_200", "free_port", "stop_process", "wait_until_healthy"]

@@ -18,15 +18,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
-from workbench.server.launcher import ServerProcess, free_port
+from workbench.server.launcher import ServerProcess, free_port, stop_process, wait_until_healthy
 
 #: the router's policies (``vllm-router --policy``)
 ROUTER_POLICIES = (
@@ -117,19 +114,12 @@ class RouterProcess:
             self.proc = subprocess.Popen(
                 [router_binary(), *self.args], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"}
             )
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < self.startup_timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"vllm-router did not answer /health within {self.startup_timeout} s:\n{self.log_tail()}")
+        try:
+            wait_until_healthy(self.proc, self.base_url + "/health", self.startup_timeout, "vllm-router", self.log_tail)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -138,14 +128,7 @@ class RouterProcess:
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout`` seconds; the exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
+        return stop_process(self.proc, timeout)
 
     def __enter__(self) -> RouterProcess:
         return self.start()
