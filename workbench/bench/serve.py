@@ -414,6 +414,7 @@ async def _benchmark(
     ignore_eos: bool,
     seed: int,
     disable_tqdm: bool,
+    monitor=None,
 ) -> tuple[str, list[SampleRequest], list[RequestRecord], float]:
     import httpx
 
@@ -443,15 +444,21 @@ async def _benchmark(
                 pbar.update(1)
             return rec
 
+        if monitor is not None:
+            await asyncio.to_thread(monitor.start)
         t0 = time.perf_counter()
-        tasks = []
-        for sample, at in zip(samples, offsets):
-            wait = t0 + at - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(one(sample)))
-        records = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
+        try:
+            tasks = []
+            for sample, at in zip(samples, offsets):
+                wait = t0 + at - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                tasks.append(asyncio.create_task(one(sample)))
+            records = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - t0
+        finally:
+            if monitor is not None:
+                await asyncio.to_thread(monitor.stop)
         if pbar is not None:
             pbar.close()
     return model, samples, list(records), duration
@@ -513,6 +520,7 @@ def run_bench_serve(
     result_filename: str | None = None,
     disable_tqdm: bool = False,
     print_result: bool = True,
+    replica_urls: list[str] | None = None,
 ) -> dict[str, Any]:
     """Benchmark an OpenAI-compatible server as ``vllm bench serve`` does; return the result dict.
 
@@ -541,6 +549,10 @@ def run_bench_serve(
         save_result, result_dir, result_filename: write the result as JSON, by default as
             ``<backend>-<rate>qps[-concurrency<N>]-<model>-<YYYYmmdd-HHMMSS>.json`` (vLLM's name).
         disable_tqdm: no progress bar. print_result: print the result block.
+        replica_urls: the base URLs of the replicas behind the router at ``base_url`` (not a vLLM flag): their
+            ``/metrics`` are read before, during and after the run, and the result gets ``replicas`` (per-replica
+            requests, tokens, prefix-cache hit rate, preemptions, peak KV usage), ``kv_imbalance_mean`` /
+            ``kv_imbalance_max`` and ``replica_timeline`` (:mod:`workbench.bench.replica_metrics`).
 
     Returns:
         ``date``, ``backend``, ``model_id``, ``tokenizer_id``, ``num_prompts``, ``request_rate`` (``"inf"``
@@ -579,6 +591,12 @@ def run_bench_serve(
         _check(0 < value <= 100, f"--metric-percentiles: {p} is not in (0, 100]; give e.g. 50,90,99")
         percentiles.append(value)
     slos = parse_goodput(goodput)
+    monitor = None
+    if replica_urls:
+        from workbench.bench.replica_metrics import ReplicaMonitor
+
+        monitor = ReplicaMonitor(list(replica_urls))
+        monitor.check()  # a wrong URL fails before anything is sent
     backend = _endpoint_kind(endpoint)
     chat = backend == "openai-chat"
     if samples is None:
@@ -647,6 +665,7 @@ def run_bench_serve(
             ignore_eos,
             seed,
             disable_tqdm,
+            monitor,
         )
     )
     now = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -661,6 +680,8 @@ def run_bench_serve(
         "max_concurrency": max_concurrency,
     }
     result.update(calculate_metrics(records, duration, metrics, percentiles, slos or None))
+    if monitor is not None:
+        result.update(monitor.summary())
     if print_result:
         print(format_result(result, metrics, percentiles))
     if save_result:
@@ -707,6 +728,18 @@ def format_result(result: dict[str, Any], metrics: list[str], percentiles: list[
         lines.append(row(f"Median {short} (ms):", result[f"median_{m}_ms"]))
         for p in percentiles:
             lines.append(row(f"P{_pword(p)} {short} (ms):", result[f"p{_pword(p)}_{m}_ms"]))
+    if "replicas" in result:
+        lines.append("{s:{c}^{n}}".format(s="Replicas", n=50, c="-"))
+        for i, r in enumerate(result["replicas"]):
+            hit = "n/a" if r["prefix_cache_hit_rate"] is None else f"{r['prefix_cache_hit_rate']:.0%}"
+            usage = "n/a" if r["max_kv_cache_usage"] is None else f"{r['max_kv_cache_usage']:.0%}"
+            lost = " (lost)" if r["lost"] else ""
+            lines.append(
+                f"{i} {r['url']}{lost}: {r['requests']:.0f} req, prefix hits {hit}, "
+                f"peak KV {usage}, {r['preemptions']:.0f} preempted"
+            )
+        lines.append(row("KV imbalance, mean (max/mean):", result["kv_imbalance_mean"]))
+        lines.append(row("KV imbalance, max (max/mean):", result["kv_imbalance_max"]))
     lines.append("=" * 50)
     errors = [e for e in result["errors"] if e]
     for i, e in enumerate(errors[:10]):

@@ -69,6 +69,13 @@ def _rate(value: str) -> float:
 @click.option("--result-dir", default=None, help="folder of the JSON [default: current folder]")
 @click.option("--result-filename", default=None, help="[default: <backend>-<rate>qps-<model>-<date>.json]")
 @click.option("--disable-tqdm", is_flag=True, help="no progress bar")
+@click.option(
+    "--replica-url",
+    "replica_urls",
+    multiple=True,
+    help="a replica behind the router at --base-url (repeat): per-replica figures and KV imbalance from their "
+    "/metrics (not a vLLM flag)",
+)
 @click.argument("more_goodput", nargs=-1, metavar="")
 def bench_serve_command(request_rate, goodput, more_goodput, **kw):
     """Send a prompt set to a running OpenAI-compatible server (workbench serve, vLLM, ...) at a

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,8 @@ class RouterProcess:
             raise ValueError(f"policy={policy!r} is not one of the router's: {', '.join(ROUTER_POLICIES)}")
         if policy == "kv_aware" and not kv_event_sources:
             raise ValueError("policy='kv_aware' needs the replicas' KV-event endpoints (kv_event_sources)")
+        if kv_event_sources and policy != "kv_aware":
+            raise ValueError(f"kv_event_sources are read only by policy='kv_aware', not {policy!r}: leave them out")
         self.port = port or free_port()
         self.metrics_port = free_port()
         self.policy, self.startup_timeout = policy, startup_timeout
@@ -204,14 +207,23 @@ class Replicas:
                 s.launch()
             for s in self.servers:
                 s.wait_ready()
-            sources = dict(zip(self.urls, self.event_endpoints)) if self.kv_events else None
-            self.router = RouterProcess(
-                self.urls, self.policy, sources, self.block_size, self.model_name, extra_args=self.router_args
-            ).start()
+            self.router = self.router_process(self.policy, self.router_args).start()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def router_process(self, policy: str, extra_args: list[str] | None = None) -> RouterProcess:
+        """A router (not started) in front of these replicas with ``policy``, subscribed to their KV-cache events
+        with ``kv_aware`` (the router refuses event sources with any other policy): another policy over the same
+        replicas, e.g. to compare policies on one workload (``with replicas.router_process("cache_aware") as r:``)."""
+        sources = dict(zip(self.urls, self.event_endpoints)) if self.kv_events and policy == "kv_aware" else None
+        return RouterProcess(self.urls, policy, sources, self.block_size, self.model_name, extra_args=extra_args)
+
+    def kill(self, i: int) -> int | None:
+        """Lose replica ``i`` as a crashed host loses it: SIGKILL by its PID, no graceful drain; its exit code.
+        The router is not told: it finds out from failed requests (retries, circuit breaker) and health checks."""
+        return self.servers[i].stop(signal.SIGKILL)
 
     def stop(self) -> None:
         """Stop the router, then every replica (each by its PID)."""
