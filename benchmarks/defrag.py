@@ -1,4 +1,4 @@
-"""KV defragmentation by block copies: cost against benefit (issue 18, chapter 13).
+"""KV defragmentation by block copies: cost against benefit (issue 18, chapter 14).
 
 Part ``contiguous`` (simulator: the real scheduler and contiguous KV manager, a cost model for time): Llama-2-7B
 on one A100-80GB with a deliberately tight KV pool, ``orca-max`` (first-fit, each request reserves prompt +
@@ -35,7 +35,7 @@ TRIGGERS = ("none", "fragmentation", "waiting", "highest-block")
 
 
 def _sim(allocator: str, trigger: str, rate: float, duration: float, num_blocks: int, max_tokens: int, seed: int):
-    from workbench.labs.ch13_defragmentation import sim_trigger_row  # chapter 13 shows the same rows
+    from workbench.labs.ch14_defragmentation import sim_trigger_row  # chapter 14 shows the same rows
 
     return sim_trigger_row(allocator, trigger, rate, duration, num_blocks, max_tokens, seed)
 

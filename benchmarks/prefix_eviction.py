@@ -33,9 +33,9 @@ POLICIES = ("lru", "fifo", "lfu", "tests.fixtures.scan_resistant:ProtectedLRUPol
 
 def replay(policy: str, records, *, num_blocks: int, rate: float, output_len: int, model: str, gpu: str) -> dict:
     """Run ``records`` (token-id prompts) through a simulated engine with ``prefix_cache_eviction=policy``
-    (:func:`workbench.labs.ch12_eviction_policies.sim_replay`, which chapter 12 runs too); return the run's figures (see the
+    (:func:`workbench.labs.ch13_eviction_policies.sim_replay`, which chapter 13 runs too); return the run's figures (see the
     module docstring)."""
-    from workbench.labs.ch12_eviction_policies import sim_replay
+    from workbench.labs.ch13_eviction_policies import sim_replay
     from workbench.metrics.stats import prefix_cache_summary
 
     steps, requests, wall = sim_replay(

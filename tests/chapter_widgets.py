@@ -4,7 +4,7 @@ path, and returns its problems as sentences (``[]`` when all is well).
 
 - chapter 2: the plots and the run panel rendered (its Run button, dropdowns, a slider), the chapter's text is there;
 - chapter 7: a two-point grid typed into the sweep panel's boxes and Run clicked fills every heatmap with two cells;
-- chapter 11: Run clicked on the panel that plugs in the learner's allocator by name starts a new run whose live
+- chapter 12: Run clicked on the panel that plugs in the learner's allocator by name starts a new run whose live
   figure holds a block map, and ends with the run's summary card.
 """
 
@@ -124,7 +124,7 @@ _WATCH_STATUS = """() => {
 }"""
 
 
-def chapter11_panel(page, shot: Path, timeout_s: float = 300) -> list[str]:
+def chapter12_panel(page, shot: Path, timeout_s: float = 300) -> list[str]:
     text = _notebook_text(page)
     found = [f"the chapter's text lacks {t!r}" for t in ("PASSED 40 random schedules", "workbench.plugins:") if t not in text]
     dropdown = page.locator(f"{CURRENT} .jupyter-widgets select").first
@@ -157,5 +157,5 @@ def chapter11_panel(page, shot: Path, timeout_s: float = 300) -> list[str]:
 WIDGET_CHECKS: dict[str, Callable[[object, Path], list[str]]] = {
     "02_fragmentation_live.ipynb": chapter2_panel,
     "07_parameter_matrix.ipynb": chapter7_sweep,
-    "11_your_own_allocator.ipynb": chapter11_panel,
+    "12_your_own_allocator.ipynb": chapter12_panel,
 }

@@ -1,7 +1,7 @@
 """Every chapter, run once in JupyterLab in a real browser: no error, every figure drawn with data, tables printed as
 HTML whose numbers never wrap at a laptop width (1366 px, file browser open) and a wide one; the notebook as that run
 saved it has the outputs stored in ``labs/`` (nbval's rules, ``labs/sanitize.cfg``: a mismatch prints the cell and
-the diff); and chapters 2, 7 and 11 answer their widgets' clicks (``tests/chapter_widgets.py``). One test per
+the diff); and chapters 2, 7 and 12 answer their widgets' clicks (``tests/chapter_widgets.py``). One test per
 chapter (``-k 07`` runs one); screenshots and the saved notebooks go to a temporary folder, or to
 ``$WORKBENCH_REVIEW_DIR`` to keep them for reading.
 

@@ -1,6 +1,6 @@
 """The conformance check (workbench.conformance): every built-in and plug-in manager passes it; each kind
 of bug it exists for is caught with a counterexample; a class defined at run time plugs in by name
-(workbench.plugins.register_class); chapter 11's reference allocator, its buggy variants and exercise 11.1."""
+(workbench.plugins.register_class); chapter 12's reference allocator, its buggy variants and exercise 12.1."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from workbench.config import EngineConfig
 from workbench.conformance import Schedule, ScheduleRequest, check_kv_manager, run_schedule
 from workbench.kv import make_kv_manager
 from workbench.kv.interface import KVManager
-from workbench.labs.ch11_your_own_allocator import DoubleHandNextFit, LeakyNextFit, NextFitKVManager, register_allocator
+from workbench.labs.ch12_your_own_allocator import DoubleHandNextFit, LeakyNextFit, NextFitKVManager, register_allocator
 
 
 @pytest.mark.parametrize(
@@ -144,7 +144,7 @@ def test_panel_dropdown_offers_a_plug_in_name():
     assert "nonsense" not in _allocator_options("nonsense")
 
 
-# ------------------------------------------------------------------ chapter 11's exercise
+# ------------------------------------------------------------------ chapter 12's exercise
 def test_a_skeleton_with_open_todos_is_unanswered(capsys):
     from workbench import labs
 
@@ -155,8 +155,8 @@ def test_a_skeleton_with_open_todos_is_unanswered(capsys):
 
         def free(self, request_id): ...
 
-    assert not labs.check("11.1", Skeleton, schedules=5, seed=0)
+    assert not labs.check("12.1", Skeleton, schedules=5, seed=0)
     assert "not answered yet" in capsys.readouterr().out
-    from workbench.labs.ch11_your_own_allocator import finished
+    from workbench.labs.ch12_your_own_allocator import finished
 
     assert finished(Skeleton) is NextFitKVManager and finished(LowestFirstKVManager) is LowestFirstKVManager

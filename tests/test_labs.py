@@ -162,14 +162,15 @@ def test_binder_installs_what_the_labs_need():
         "08_chunked_prefill.ipynb",
         "09_tensor_parallelism.ipynb",
         "10_nccl_buffers.ipynb",
-        "11_your_own_allocator.ipynb",
-        "12_eviction_policies.ipynb",
-        "13_defragmentation.ipynb",
-        "14_memory_beside_kv.ipynb",
-        "15_case_study.ipynb",
-        "16_load_testing.ipynb",
-        "17_monitoring_and_alerting.ipynb",
-        "18_regression_baseline.ipynb",
+        "11_load_balancing.ipynb",
+        "12_your_own_allocator.ipynb",
+        "13_eviction_policies.ipynb",
+        "14_defragmentation.ipynb",
+        "15_memory_beside_kv.ipynb",
+        "16_case_study.ipynb",
+        "17_load_testing.ipynb",
+        "18_monitoring_and_alerting.ipynb",
+        "19_regression_baseline.ipynb",
     ]
 
 

@@ -1,4 +1,4 @@
-"""Chapter 14's library (workbench.labs.ch14_memory_beside_kv): the custom all-reduce model, one rank's memory on a
+"""Chapter 15's library (workbench.labs.ch15_memory_beside_kv): the custom all-reduce model, one rank's memory on a
 real TP engine, the modelled GPU breakdown against the simulated engine's own budget, and the panel."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import multiprocessing
 
 import pytest
 import torch
-from lab_contexts.ch13 import EX_13_1
 from lab_contexts.ch14 import EX_14_1
+from lab_contexts.ch15 import EX_15_1
 
 from workbench import labs
 from workbench.comm import CUSTOM_AR_MAX_SIZE, custom_all_reduce_bytes, nccl_buffer_bytes
 from workbench.labs import ch09_tensor_parallelism as tpl
 from workbench.labs import ch10_nccl_buffers as ncb
-from workbench.labs import ch14_memory_beside_kv as rm
+from workbench.labs import ch15_memory_beside_kv as rm
 
 MiB = 1 << 20
 
@@ -78,8 +78,8 @@ def test_gpu_rank_rows_add_up_and_buy_back_what_they_free():
 
 def test_exercise_14_1_context_is_the_engines_budget():
     ex = rm.custom_ar_exercise()
-    assert ex == EX_14_1  # the test context is the simulated engine's figure, not a copy gone stale
-    assert labs.solution("14.1", **ex) == ex["engine_num_blocks"] - ex["budget"]["num_blocks"]
+    assert ex == EX_15_1  # the test context is the simulated engine's figure, not a copy gone stale
+    assert labs.solution("15.1", **ex) == ex["engine_num_blocks"] - ex["budget"]["num_blocks"]
 
 
 def test_sim_buyback_grid_frees_blocks_and_not_more():
@@ -141,19 +141,19 @@ def test_rank_memory_panel_runs_and_names_bad_values():
     assert "nccl_buffsize_mib" in p.status.value
 
 
-# ---------------------------------------------------------------- chapter 13: defragmentation
+# ---------------------------------------------------------------- chapter 14: defragmentation
 def test_exercise_13_1_context_and_plan():
-    from workbench.labs import ch13_defragmentation as cp
+    from workbench.labs import ch14_defragmentation as cp
 
-    assert cp.EXERCISE_13_1 == EX_13_1
-    assert labs.solution("13.1", **EX_13_1) == 7
-    snap = cp.regions_map(EX_13_1["regions"], 24, 5)
-    assert cp.regions_of(snap) == [tuple(r) for r in EX_13_1["regions"]]
+    assert cp.EXERCISE_14_1 == EX_14_1
+    assert labs.solution("14.1", **EX_14_1) == 7
+    snap = cp.regions_map(EX_14_1["regions"], 24, 5)
+    assert cp.regions_of(snap) == [tuple(r) for r in EX_14_1["regions"]]
     assert snap["state"].count("external") == 10  # every hole holds 2 blocks, fewer than 5
 
 
 def test_compaction_on_a_tiny_engine_records_passes_and_maps(tiny_model):
-    from workbench.labs import ch13_defragmentation as cp
+    from workbench.labs import ch14_defragmentation as cp
 
     records = [
         r.__class__(list(range(3, 3 + 20 + 7 * (i % 3))), False, r.id, n, n)

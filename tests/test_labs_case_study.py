@@ -1,11 +1,11 @@
-"""Chapter 15's library: the case replayed in the simulator, the hypotheses measured, the unused pool."""
+"""Chapter 16's library: the case replayed in the simulator, the hypotheses measured, the unused pool."""
 
 from __future__ import annotations
 
 import pytest
 
 from workbench import labs
-from workbench.labs import ch15_case_study as cs
+from workbench.labs import ch16_case_study as cs
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_the_budget_fits_in_what_startup_allocates(runs):
     pool_gib = runs["paged_12"].memory["kv_pool_bytes"] / 2**30
     want = pool_gib * (1 - cs.mean_kv_utilization(runs["paged_12"]))
     assert labs.check(
-        "15.3", want, budget=runs["paged_12"].memory, kv_utilization=cs.mean_kv_utilization(runs["paged_12"])
+        "16.3", want, budget=runs["paged_12"].memory, kv_utilization=cs.mean_kv_utilization(runs["paged_12"])
     )
 
 
@@ -72,7 +72,7 @@ def test_the_hypotheses_verdicts_follow_the_measurements(runs):
     assert rows["contiguous_allocator"]["verdict"] == "partly"  # 125 sequences of 4,096 slots fit
     assert runs["orca_12"].extra["max_running"] == 125
     assert rows["output_length_drift"]["verdict"] == "can"
-    assert labs.solution("15.2", rows=list(rows.values())) == {"output_length_drift"}
+    assert labs.solution("16.2", rows=list(rows.values())) == {"output_length_drift"}
     table = cs.hypothesis_table(list(rows.values()))
     assert len(table) == 6 and "output length drift" in str(table)
 

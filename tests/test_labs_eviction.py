@@ -1,4 +1,4 @@
-"""Chapter 12's library (workbench.labs.ch12_eviction_policies, workbench.plugins.register_class): a notebook's policy class
+"""Chapter 13's library (workbench.labs.ch13_eviction_policies, workbench.plugins.register_class): a notebook's policy class
 registered and run by the engine, an engine's prefix cache reset to another policy equal to a fresh engine, the
 free queue's order, the simulator's replay, the exercise's scenario and the panel."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from workbench.kv.eviction import EvictionPolicy, LRUPolicy
-from workbench.labs import ch12_eviction_policies as ev
+from workbench.labs import ch13_eviction_policies as ev
 from workbench.metrics.stats import prefix_cache_summary
 from workbench.plugins import register_class, registered
 

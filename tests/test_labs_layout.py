@@ -20,7 +20,7 @@ NOTEBOOKS = sorted((ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
 
 
 def test_every_notebook_has_its_chapter_module():
-    assert len(NOTEBOOKS) == 18
+    assert len(NOTEBOOKS) == 19
     for nb in NOTEBOOKS:
         assert (LABS / f"ch{nb.stem}.py").exists(), f"{nb.name} has no workbench/labs/ch{nb.stem}.py"
 

@@ -1,4 +1,4 @@
-"""Chapter 16's library (workbench.labs.ch16_load_testing): the rules the exercises check on synthetic rows, and one
+"""Chapter 17's library (workbench.labs.ch17_load_testing): the rules the exercises check on synthetic rows, and one
 real run — a server started by the chapter's helper, a two-rate live sweep with /metrics polled, stopped by PID."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from workbench.labs import ch16_load_testing as lt
+from workbench.labs import ch17_load_testing as lt
 
 
 def test_knee_is_the_lowest_rate_below_the_fraction():

@@ -1,4 +1,4 @@
-"""Chapter 17's library (``workbench.labs.ch17_monitoring_and_alerting``): the shipped rules parsed into the table, the demo copy with
+"""Chapter 18's library (``workbench.labs.ch18_monitoring_and_alerting``): the shipped rules parsed into the table, the demo copy with
 short windows (and promtool accepting it), and the whole stack on loopback — an overload makes the demo
 ``WaitingQueueGrowing`` fire, Prometheus pushes it to the receiver, the receiver halves ``max_num_seqs``, and the
 dashboard's queries return data; every process stopped by PID afterwards, also on failure."""
@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from workbench.labs import ch17_monitoring_and_alerting as mon
+from workbench.labs import ch18_monitoring_and_alerting as mon
 
 needs_promtool = pytest.mark.skipif(
     shutil.which("promtool") is None and os.environ.get("WORKBENCH_REQUIRE_PROMETHEUS") != "1",

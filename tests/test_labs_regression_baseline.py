@@ -1,11 +1,11 @@
-"""Chapter 18's library: interleaved repeats of real runs, the comparison and the CLI's exit codes on them."""
+"""Chapter 19's library: interleaved repeats of real runs, the comparison and the CLI's exit codes on them."""
 
 from __future__ import annotations
 
 import pytest
 
 from workbench import labs
-from workbench.labs import ch18_regression_baseline as rb
+from workbench.labs import ch19_regression_baseline as rb
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def rep(tmp_path_factory):
     sides = {"baseline": rb.SIDES["baseline"], "no_prefix_caching": rb.SIDES["no_prefix_caching"]}
     seen = []
     r = rb.record_repeats(
-        tmp_path_factory.mktemp("ch18"), sides, repeats=2, job={"num_prompts": 4}, on_repeat=lambda *a: seen.append(a)
+        tmp_path_factory.mktemp("ch19"), sides, repeats=2, job={"num_prompts": 4}, on_repeat=lambda *a: seen.append(a)
     )
     r.seen = seen
     return r
@@ -49,9 +49,9 @@ def test_prefix_caching_off_is_caught_by_the_library_and_the_cli(rep, tmp_path):
     bad = rb.cli_compare(rep.root / "baseline", tmp_path / "r.html")
     assert bad[0] == 2
     cases = rb.verdict_cases(rep)
-    assert len(cases) == 6 and labs.check("18.1", labs.solution("18.1", cases=cases), cases=cases)
+    assert len(cases) == 6 and labs.check("19.1", labs.solution("19.1", cases=cases), cases=cases)
     rows = report.to_dict()["rows"]
-    assert "ttft_p50_s" in labs.solution("18.2", rows=rows)
+    assert "ttft_p50_s" in labs.solution("19.2", rows=rows)
 
 
 def test_bad_arguments_are_refused_before_any_run(tmp_path):

@@ -293,7 +293,7 @@ def test_chapter_modules_are_reached_from_the_package():
     from workbench import labs
 
     chapters = sorted(p.stem for p in Path(labs.__file__).parent.glob("ch[0-9][0-9]_*.py"))
-    assert len(chapters) == 18
+    assert len(chapters) == 19
     for name in (*chapters, "multigpu_common", "panel"):
         assert getattr(labs, name) is importlib.import_module(f"workbench.labs.{name}")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -1,27 +1,9 @@
-"""Contexts and known wrong answers of chapter 12's exercises (``workbench/labs/ch12_eviction_policies.py``): eviction policies."""
+"""Contexts and known wrong answers of chapter 12's exercises (``workbench/labs/ch12_your_own_allocator.py``): your own allocator."""
 
-# 12.1: the hand-built pool events of workbench.labs.ch12_eviction_policies (8 blocks; the next request needs 3)
-EX_12_1 = {
-    "events": [
-        ("alloc", "A", ["sys 0", "sys 1", "A own"]),
-        ("free", "A"),
-        ("hit", "B", ["sys 0", "sys 1"]),
-        ("alloc", "B", ["B own"]),
-        ("free", "B"),
-        ("alloc", "X", ["X 0", "X 1", "X 2", "X 3"]),
-        ("free", "X"),
-    ],
-    "num_blocks": 8,
-    "need": 3,
-}
-CONTEXTS: dict = {"12.1": EX_12_1}
-WRONG: dict = {
-    "12.1": [
-        {"lru": [0, 1, 2], "fifo": [0, 1, 2], "lfu": [2, 3, 7]},  # LRU as if it were FIFO
-        {"lru": [2, 3, 1], "fifo": [2, 3, 7], "lfu": [2, 3, 7]},  # FIFO protecting the hit blocks
-        {"lru": [2, 3, 1], "fifo": [0, 1, 2], "lfu": [2, 3, 1]},  # LFU as LRU
-        {"lru": [4, 5, 6], "fifo": [0, 1, 2], "lfu": [2, 3, 7]},  # the scan freed head first, and first
-        {"lru": [2, 3, 1], "fifo": [0, 1, 2], "lfu": [2, 3, 4]},  # LFU ties broken by the scan's head block
-        [2, 3, 1],
-    ],
-}
+# 12.1: the learner's allocator class, through the conformance check (workbench.labs.ch12_your_own_allocator)
+from workbench.labs.ch12_your_own_allocator import EXERCISE_CONTEXT as _EX_12_1
+from workbench.labs.ch12_your_own_allocator import DoubleHandNextFit as _DoubleHand
+from workbench.labs.ch12_your_own_allocator import LeakyNextFit as _Leaky
+
+CONTEXTS: dict = {"12.1": dict(_EX_12_1)}
+WRONG: dict = {"12.1": [_Leaky, _DoubleHand, "next-fit", dict]}

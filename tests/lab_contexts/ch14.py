@@ -1,20 +1,19 @@
-"""Contexts and known wrong answers of chapter 14's exercises (``workbench/labs/ch14_memory_beside_kv.py``): memory beside the KV cache."""
+"""Contexts and known wrong answers of chapter 14's exercises (``workbench/labs/ch14_defragmentation.py``): defragmentation."""
 
-# 14.1: Llama-2-70B on 8 x H100-80GB, block_size 16 (workbench.labs.ch14_memory_beside_kv.custom_ar_exercise;
-# tests/test_labs_arch.py checks these figures against the simulated engine)
+# 14.1: a contiguous pool of 24 blocks (workbench.labs.ch14_defragmentation.EXERCISE_14_1): regions slide down until a run
+# of 5 opens — a to 0..3 (4 moves), b to 4..6 (3 moves): 7 blocks; packing everything would move 14
 EX_14_1 = {
-    "config": {"model": "llama-2-70b", "gpu": "H100-80GB", "tensor_parallel_size": 8, "block_size": 16},
-    "budget": {"kv_budget_bytes": 59_325_134_336, "block_bytes": 655_360, "num_blocks": 90_522},
-    "engine_num_blocks": 90_561,
+    "regions": [[2, 4, "a"], [8, 3, "b"], [13, 5, "c"], [20, 2, "d"]],
+    "num_blocks": 24,
+    "need_blocks": 5,
 }
-
 CONTEXTS: dict = {"14.1": EX_14_1}
 WRONG: dict = {
     "14.1": [
-        25_168_384,  # the buffers' bytes
-        38,  # buffers // block_bytes: ignores the part-block already left over
-        26,  # the two IPC buffers only, no rank_data
-        39 * 8,  # the whole group's
-        "39",
+        14,  # packs the whole pool
+        5,  # the request's need
+        10,  # the free blocks
+        4,  # only the first region
+        "seven",
     ],
 }

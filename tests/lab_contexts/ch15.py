@@ -1,30 +1,20 @@
-"""Contexts and known wrong answers of chapter 15's exercises (``workbench/labs/ch15_case_study.py``): the case study."""
+"""Contexts and known wrong answers of chapter 15's exercises (``workbench/labs/ch15_memory_beside_kv.py``): memory beside the KV cache."""
 
-CONTEXTS: dict = {}
-WRONG: dict = {}
+# 15.1: Llama-2-70B on 8 x H100-80GB, block_size 16 (workbench.labs.ch15_memory_beside_kv.custom_ar_exercise;
+# tests/test_labs_arch.py checks these figures against the simulated engine)
+EX_15_1 = {
+    "config": {"model": "llama-2-70b", "gpu": "H100-80GB", "tensor_parallel_size": 8, "block_size": 16},
+    "budget": {"kv_budget_bytes": 59_325_134_336, "block_bytes": 655_360, "num_blocks": 90_522},
+    "engine_num_blocks": 90_561,
+}
 
-_BUDGET15 = {"kv_pool_bytes": 32_225 * 16 * 81_920}
-_ROWS15 = [
-    {"hypothesis": "fragmentation", "measured": "1.7% of used KV memory", "verdict": "cannot"},
-    {"hypothesis": "queueing", "measured": "TTFT grows, completions flat", "verdict": "partly"},
-    {"hypothesis": "output_length_drift", "measured": "finished/s 6.98 -> 5.87", "verdict": "can"},
-    {"hypothesis": "preemption", "measured": "0 preemptions", "verdict": "cannot"},
-]
-CONTEXTS["15.3"] = {"budget": _BUDGET15, "kv_utilization": 0.28}
-WRONG["15.3"] = [
-    _BUDGET15["kv_pool_bytes"] * 0.28 / 2**30,  # the used part
-    _BUDGET15["kv_pool_bytes"] * 0.72 / 1e9,  # GB, not GiB
-    _BUDGET15["kv_pool_bytes"] * 0.72,  # bytes
-    12,
-    "lots",
-]
-CONTEXTS["15.1"] = {"rate": 12.0, "capacity": 9.31, "seconds": 7200.0}
-WRONG["15.1"] = [12.0 * 7200, 12.0 - 9.31, 9.31 * 7200, 0, "many"]
-CONTEXTS["15.2"] = {"rows": _ROWS15}
-WRONG["15.2"] = [
-    {"fragmentation"},
-    {"queueing", "output_length_drift"},
-    set(),
-    {"output_length_drift", "gremlins"},
-    42,
-]
+CONTEXTS: dict = {"15.1": EX_15_1}
+WRONG: dict = {
+    "15.1": [
+        25_168_384,  # the buffers' bytes
+        38,  # buffers // block_bytes: ignores the part-block already left over
+        26,  # the two IPC buffers only, no rank_data
+        39 * 8,  # the whole group's
+        "39",
+    ],
+}

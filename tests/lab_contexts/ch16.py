@@ -1,17 +1,30 @@
-"""Contexts and known wrong answers of chapter 16's exercises (``workbench/labs/ch16_load_testing.py``): load testing."""
+"""Contexts and known wrong answers of chapter 16's exercises (``workbench/labs/ch16_case_study.py``): the case study."""
 
 CONTEXTS: dict = {}
 WRONG: dict = {}
 
+_BUDGET16 = {"kv_pool_bytes": 32_225 * 16 * 81_920}
 _ROWS16 = [
-    {"offered": 0.8, "achieved": 0.74},
-    {"offered": 1.3, "achieved": 1.12},
-    {"offered": 1.9, "achieved": 1.41},
-    {"offered": 3.2, "achieved": 1.55},
+    {"hypothesis": "fragmentation", "measured": "1.7% of used KV memory", "verdict": "cannot"},
+    {"hypothesis": "queueing", "measured": "TTFT grows, completions flat", "verdict": "partly"},
+    {"hypothesis": "output_length_drift", "measured": "finished/s 6.98 -> 5.87", "verdict": "can"},
+    {"hypothesis": "preemption", "measured": "0 preemptions", "verdict": "cannot"},
 ]
-CONTEXTS["16.1"] = {"rows": _ROWS16, "frac": 0.8}
-WRONG["16.1"] = [3.2, 1.3, 1.41, 0.8, None, "knee"]
-_TTFTS16 = [0.21, 0.35, 0.9, 0.25, None, 0.3, 1.4, 0.28]
-_TPOTS16 = [0.09, 0.2, 0.1, 0.11, None, 0.08, 0.1, None]
-CONTEXTS["16.2"] = {"ttfts": _TTFTS16, "tpots": _TPOTS16, "slo_ttft_s": 0.5, "slo_tpot_s": 0.15}
-WRONG["16.2"] = [5 / 8, 6 / 8, 4, 50, 1.0, "most"]  # TTFT only, TPOT only, a count, a percentage
+CONTEXTS["16.3"] = {"budget": _BUDGET16, "kv_utilization": 0.28}
+WRONG["16.3"] = [
+    _BUDGET16["kv_pool_bytes"] * 0.28 / 2**30,  # the used part
+    _BUDGET16["kv_pool_bytes"] * 0.72 / 1e9,  # GB, not GiB
+    _BUDGET16["kv_pool_bytes"] * 0.72,  # bytes
+    12,
+    "lots",
+]
+CONTEXTS["16.1"] = {"rate": 12.0, "capacity": 9.31, "seconds": 7200.0}
+WRONG["16.1"] = [12.0 * 7200, 12.0 - 9.31, 9.31 * 7200, 0, "many"]
+CONTEXTS["16.2"] = {"rows": _ROWS16}
+WRONG["16.2"] = [
+    {"fragmentation"},
+    {"queueing", "output_length_drift"},
+    set(),
+    {"output_length_drift", "gremlins"},
+    42,
+]

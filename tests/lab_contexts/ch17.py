@@ -1,24 +1,17 @@
-"""Contexts and known wrong answers of chapter 17's exercises (``workbench/labs/ch17_monitoring_and_alerting.py``): monitoring and alerting."""
+"""Contexts and known wrong answers of chapter 17's exercises (``workbench/labs/ch17_load_testing.py``): load testing."""
 
 CONTEXTS: dict = {}
 WRONG: dict = {}
 
-_BUCKETS17 = [(0.1, 2.0), (0.25, 10.0), (0.5, 30.0), (1.0, 38.0), (2.5, 40.0), (float("inf"), 40.0)]
-CONTEXTS["17.1"] = {"buckets": _BUCKETS17}
-
-
-def _upper_bound(q, buckets):  # the bucket's upper bound, no interpolation
-    total = buckets[-1][1]
-    return next(le for le, c in buckets if c >= q * total)
-
-
-def _from_zero(q, buckets):  # interpolates from 0 in every bucket
-    total = buckets[-1][1]
-    le, c = next((le, c) for le, c in buckets if c >= q * total)
-    return le * q * total / c
-
-
-WRONG["17.1"] = [_upper_bound, _from_zero, lambda q, b: 0.5, 0.5]
-_SAMPLES17 = [0, 2, 12, 14, 9, 15, 16, 18, 19, 20, 4]
-CONTEXTS["17.2"] = {"samples": _SAMPLES17, "threshold": 10, "for_s": 3, "interval_s": 1.0}
-WRONG["17.2"] = [2, 5, 7, None, "8", 9]
+_ROWS17 = [
+    {"offered": 0.8, "achieved": 0.74},
+    {"offered": 1.3, "achieved": 1.12},
+    {"offered": 1.9, "achieved": 1.41},
+    {"offered": 3.2, "achieved": 1.55},
+]
+CONTEXTS["17.1"] = {"rows": _ROWS17, "frac": 0.8}
+WRONG["17.1"] = [3.2, 1.3, 1.41, 0.8, None, "knee"]
+_TTFTS17 = [0.21, 0.35, 0.9, 0.25, None, 0.3, 1.4, 0.28]
+_TPOTS17 = [0.09, 0.2, 0.1, 0.11, None, 0.08, 0.1, None]
+CONTEXTS["17.2"] = {"ttfts": _TTFTS17, "tpots": _TPOTS17, "slo_ttft_s": 0.5, "slo_tpot_s": 0.15}
+WRONG["17.2"] = [5 / 8, 6 / 8, 4, 50, 1.0, "most"]  # TTFT only, TPOT only, a count, a percentage

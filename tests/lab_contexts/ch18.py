@@ -1,44 +1,24 @@
-"""Contexts and known wrong answers of chapter 18's exercises (``workbench/labs/ch18_regression_baseline.py``): a performance regression baseline."""
+"""Contexts and known wrong answers of chapter 18's exercises (``workbench/labs/ch18_monitoring_and_alerting.py``): monitoring and alerting."""
 
 CONTEXTS: dict = {}
 WRONG: dict = {}
 
-
-def _row18(key, gated, verdict, metric=None):
-    return {"key": key, "metric": metric or key, "gated": gated, "verdict": verdict}
-
-
-_CASES18 = [
-    {"baseline": [1.0, 1.0, 1.0], "new": [1.3, 1.3, 1.3], "higher_is_better": False},  # latency up 30%
-    {"baseline": [1.0, 1.0, 1.0], "new": [1.1, 1.1, 9.0], "higher_is_better": False},  # one outlier: mean 3.7x
-    {"baseline": [10.0, 10.0, 10.0], "new": [7.0, 7.5, 7.9], "higher_is_better": True},  # throughput -25%
-    {"baseline": [10.0, 10.0, 10.0], "new": [13.0, 13.0, 13.0], "higher_is_better": True},  # +30%: improved
-    {"baseline": [1.0, 1.0, 1.0], "new": [0.8, 0.8, 0.8], "higher_is_better": False},  # 0.8x < 1/1.2: improved
-    {"baseline": [10.0, 10.0, 10.0], "new": [8.5, 8.5, 8.5], "higher_is_better": True},  # within the limit: ok
-]
-CONTEXTS["18.1"] = {"cases": _CASES18}
+_BUCKETS18 = [(0.1, 2.0), (0.25, 10.0), (0.5, 30.0), (1.0, 38.0), (2.5, 40.0), (float("inf"), 40.0)]
+CONTEXTS["18.1"] = {"buckets": _BUCKETS18}
 
 
-def _mean_verdict(b, n, hib):  # means instead of medians: the outlier case fails it
-    r = (sum(n) / len(n)) / (sum(b) / len(b))
-    return (
-        ("regressed" if r < 0.8 else "improved" if r > 1.25 else "ok")
-        if hib
-        else ("regressed" if r > 1.2 else "improved" if r < 1 / 1.2 else "ok")
-    )
+def _upper_bound(q, buckets):  # the bucket's upper bound, no interpolation
+    total = buckets[-1][1]
+    return next(le for le, c in buckets if c >= q * total)
 
 
-def _no_direction(b, n, hib):  # every metric as a latency
-    r = sorted(n)[1] / sorted(b)[1]
-    return "regressed" if r > 1.2 else "improved" if r < 1 / 1.2 else "ok"
+def _from_zero(q, buckets):  # interpolates from 0 in every bucket
+    total = buckets[-1][1]
+    le, c = next((le, c) for le, c in buckets if c >= q * total)
+    return le * q * total / c
 
 
-WRONG["18.1"] = [_mean_verdict, _no_direction, lambda b, n, hib: "ok", "regressed"]
-_ROWS18 = [
-    _row18("output_throughput_tok_s", True, "regressed", "output throughput"),
-    _row18("ttft_p50_s", True, "regressed", "TTFT median"),
-    _row18("ttft_p99_s", False, "not gated", "TTFT p99"),
-    _row18("tpot_p50_s", True, "ok", "TPOT median"),
-]
-CONTEXTS["18.2"] = {"rows": _ROWS18}
-WRONG["18.2"] = [{"ttft_p50_s"}, {"ttft_p50_s", "output_throughput_tok_s", "ttft_p99_s"}, {"nonsense"}, 3]
+WRONG["18.1"] = [_upper_bound, _from_zero, lambda q, b: 0.5, 0.5]
+_SAMPLES18 = [0, 2, 12, 14, 9, 15, 16, 18, 19, 20, 4]
+CONTEXTS["18.2"] = {"samples": _SAMPLES18, "threshold": 10, "for_s": 3, "interval_s": 1.0}
+WRONG["18.2"] = [2, 5, 7, None, "8", 9]

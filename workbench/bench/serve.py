@@ -521,6 +521,7 @@ def run_bench_serve(
     disable_tqdm: bool = False,
     print_result: bool = True,
     replica_urls: list[str] | None = None,
+    replica_monitor=None,
 ) -> dict[str, Any]:
     """Benchmark an OpenAI-compatible server as ``vllm bench serve`` does; return the result dict.
 
@@ -553,6 +554,8 @@ def run_bench_serve(
             ``/metrics`` are read before, during and after the run, and the result gets ``replicas`` (per-replica
             requests, tokens, prefix-cache hit rate, preemptions, peak KV usage), ``kv_imbalance_mean`` /
             ``kv_imbalance_max`` and ``replica_timeline`` (:mod:`workbench.bench.replica_metrics`).
+        replica_monitor: a :class:`~workbench.bench.replica_metrics.ReplicaMonitor` to use instead of one made from
+            ``replica_urls`` (so that the caller can read its readings while the run goes on).
 
     Returns:
         ``date``, ``backend``, ``model_id``, ``tokenizer_id``, ``num_prompts``, ``request_rate`` (``"inf"``
@@ -591,11 +594,12 @@ def run_bench_serve(
         _check(0 < value <= 100, f"--metric-percentiles: {p} is not in (0, 100]; give e.g. 50,90,99")
         percentiles.append(value)
     slos = parse_goodput(goodput)
-    monitor = None
-    if replica_urls:
+    monitor = replica_monitor
+    if replica_urls and monitor is None:
         from workbench.bench.replica_metrics import ReplicaMonitor
 
         monitor = ReplicaMonitor(list(replica_urls))
+    if monitor is not None:
         monitor.check()  # a wrong URL fails before anything is sent
     backend = _endpoint_kind(endpoint)
     chat = backend == "openai-chat"

@@ -101,6 +101,49 @@ def _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_re
     show_default=True,
     help="sharegpt | alpaca (log-normal lengths, the vLLM paper's means) | a JSONL/JSON trace file",
 )
+@click.option(
+    "--tenants",
+    default=0,
+    show_default=True,
+    type=int,
+    help="multi-tenant trace: this many tenants (Zipf-distributed), each with its own shared system prompt "
+    "in front of every prompt (0: off)",
+)
+@click.option("--tenant-zipf", default=1.0, show_default=True, type=float, help="Zipf exponent of the tenants")
+@click.option(
+    "--system-prompt-len", default=1024, show_default=True, type=int, help="tokens of each tenant's system prompt"
+)
+@click.option(
+    "--data-parallel-size",
+    "-dp",
+    "data_parallel_size",
+    default=1,
+    show_default=True,
+    type=int,
+    help="replicas of the TENSOR_PARALLEL_SIZE layout behind a router (GPUs in all: dp x tp)",
+)
+@click.option(
+    "--routing-policy",
+    default="round_robin",
+    show_default=True,
+    help="round_robin | random | power_of_two | least_loaded | cache_aware: a model of vllm-router's policies "
+    "(docs/simulator.md), not the router itself",
+)
+@click.option("--cache-threshold", default=None, type=float, help="cache_aware's match threshold [0.3, vllm-router's]")
+@click.option(
+    "--balance-abs-threshold", default=None, type=int, help="cache_aware's load gap for balancing [64, vllm-router's]"
+)
+@click.option(
+    "--balance-rel-threshold",
+    default=None,
+    type=float,
+    help="cache_aware's load ratio for balancing [1.5, vllm-router's]",
+)
+@click.option(
+    "--goodput",
+    multiple=True,
+    help="SLOs in ms a good request meets, as bench serve: --goodput 'ttft:500 tpot:50' (metrics: ttft, tpot)",
+)
 @click.option("--max-tokens", default=None, type=int, help="output cap of requests that end with EOS [max_model_len]")
 @click.option("--window", default=600.0, show_default=True, type=float, help="timeline window (simulated s)")
 @click.option(
@@ -134,8 +177,10 @@ def _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_re
     )
 )
 def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels,
-                     calibration, request_rate, duration, arrival, dataset, max_tokens, window, itl, output_dir,
-                     run_name, progress, calibrate, train, test, calibration_out, **kw):  # fmt: skip
+                     calibration, request_rate, duration, arrival, dataset, tenants, tenant_zipf, system_prompt_len,
+                     data_parallel_size, routing_policy, cache_threshold, balance_abs_threshold,
+                     balance_rel_threshold, goodput, max_tokens, window, itl, output_dir, run_name, progress,
+                     calibrate, train, test, calibration_out, **kw):  # fmt: skip
     """Replay a trace of requests on TENSOR_PARALLEL_SIZE simulated GPUs serving MODEL, with the real
     scheduler and KV manager and a cost model of the GPU; write a run folder like `workbench run`.
 
@@ -143,6 +188,11 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
     workbench simulate --model llama-2-70b --gpu A100-80GB -tp 4 --gpu-memory-utilization 0.9 \\
         --max-num-seqs 256 --request-rate 12 --duration 7200 --no-itl
     workbench simulate --model llama-2-7b --gpu L4 -tp 1 --dataset alpaca --request-rate 4
+    workbench simulate --model llama-2-70b --gpu H100-80GB -tp 4 -dp 2 --routing-policy cache_aware \\
+        --tenants 16 --enable-prefix-caching --goodput 'ttft:2000 tpot:100'
+
+    With -dp N, N replicas (each its own scheduler and KV pool) sit behind a modelled router: the
+    routing policies model vllm-router's rules (docs/simulator.md); they are not the router itself.
     workbench simulate --calibrate --gpu cpu --train runs/A --train runs/B --test runs/C
     """
     from rich.console import Console
@@ -168,13 +218,37 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
             "--nccl-max-nchannels bound NCCL's own choice: give one or the other"
         )
     with user_errors():
+        from workbench.sim.cluster import check_cluster_args
+
+        check_cluster_args(data_parallel_size, routing_policy)
+        slo = _goodput_slo(goodput)
         spec = _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels,
                      calibration)  # fmt: skip
-        trace = make_trace(request_rate, duration, dataset, arrival, seed)
         info = {"request_rate": request_rate, "duration_s": duration, "arrival": arrival, "dataset": dataset,
-                "seed": seed, "num_requests": len(trace)}  # fmt: skip
-        res = simulate_job(spec, trace, output_dir=output_dir, run_name=run_name, progress=progress,
-                           record_itl=itl, window_s=window, trace_info=info, max_tokens=max_tokens, **args)  # fmt: skip
+                "seed": seed}  # fmt: skip
+        if tenants:
+            from workbench.sim.trace import make_tenant_trace
+
+            trace = make_tenant_trace(request_rate, duration, dataset, arrival, seed, num_tenants=tenants,
+                                      zipf_s=tenant_zipf, system_prompt_len=system_prompt_len)  # fmt: skip
+            info |= {"tenants": tenants, "tenant_zipf": tenant_zipf, "system_prompt_len": system_prompt_len}
+        else:
+            trace = make_trace(request_rate, duration, dataset, arrival, seed)
+        info["num_requests"] = len(trace)
+        common = dict(output_dir=output_dir, run_name=run_name, progress=progress, record_itl=itl, window_s=window,
+                      trace_info=info, max_tokens=max_tokens)  # fmt: skip
+        if data_parallel_size > 1:
+            from workbench.sim.cluster import simulate_cluster
+
+            router = {k: v for k, v in (("cache_threshold", cache_threshold),
+                                        ("balance_abs_threshold", balance_abs_threshold),
+                                        ("balance_rel_threshold", balance_rel_threshold)) if v is not None}  # fmt: skip
+            res = simulate_cluster(spec, trace, data_parallel_size=data_parallel_size, routing_policy=routing_policy,
+                                   seed=seed, ttft_slo_s=slo[0] if slo else None, tpot_slo_s=slo[1] if slo else None,
+                                   router_args=router, **common, **args)  # fmt: skip
+            _print_cluster(console, spec, res)
+            return
+        res = simulate_job(spec, trace, goodput_slo=slo, **common, **args)
     s = res.summary
     eng = res.engine
 
@@ -198,6 +272,7 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
         ("output throughput", f"{s['output_throughput_tok_s']:,.1f} tok/s"),
         ("TTFT p50 / p99", f"{ms(s['ttft_p50_s'])} / {ms(s['ttft_p99_s'])}"),
         ("TPOT p50 / p99", f"{ms(s['tpot_p50_s'])} / {ms(s['tpot_p99_s'])}"),
+        *([("goodput", f"{s['request_goodput_req_s']:,.2f} req/s")] if "request_goodput_req_s" in s else []),
         ("mean requests batched per step", f"{s['batched_reqs_mean']:.1f}"),
         ("KV blocks used (peak / pool)", f"{s['blocks_used_peak']:,} / {eng.memory.num_blocks:,}"),
         ("preemptions", f"{s['preemptions_total']:,}"),
@@ -216,6 +291,61 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
         console.print(f"steps:    {res.run_dir / 'steps.jsonl'}")
         console.print(f"requests: {res.run_dir / 'requests.jsonl'}")
         console.print(f"timeline: {res.run_dir / 'timeline.json'}")
+
+
+def _goodput_slo(items) -> tuple[float | None, float | None] | None:
+    """``--goodput`` (bench serve's ``NAME:MS`` pairs) as ``(ttft_slo_s, tpot_slo_s)``; ``None`` when not given."""
+    if not items:
+        return None
+    from workbench.bench.serve import parse_goodput
+
+    slo = parse_goodput(list(items))
+    if "e2el" in slo:
+        raise ValueError("--goodput e2el: workbench simulate's goodput takes ttft and tpot objectives")
+    return tuple(None if slo.get(k) is None else slo[k] / 1000 for k in ("ttft", "tpot"))
+
+
+def _print_cluster(console, spec, res) -> None:
+    """One table row per replica, the overall line and the GPUs in all."""
+    from rich.table import Table
+
+    from workbench.kvcalc import fmt_bytes as format_bytes
+
+    s, reps = res.summary, res.replicas
+    tp = spec.tensor_parallel_size
+    dev = reps[0].engine.memory.device_name
+
+    def ms(v):
+        return "n/a" if v is None else f"{v * 1000:,.0f}"
+
+    t = Table(title=f"workbench simulate: {spec.arch.name}, {len(reps)} replicas of {dev} ({res.routing_policy})")
+    for c in ("replica", "routed", "finished", "TTFT p50/p99 ms", "out tok/s", "prefill tok computed",
+              "prefix hit", "preempt", "per rank: weights / KV / NCCL"):  # fmt: skip
+        t.add_column(c, justify="right")
+    for i, r in enumerate(s["replicas"]):
+        m = r["per_rank_memory"]
+        hit = r["prefix_cache_hit_rate_frac"]
+        t.add_row(str(i), f"{r['requests_routed']:,}", f"{r['requests_finished']:,}",
+                  f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])}", f"{r['output_throughput_tok_s']:,.1f}",
+                  f"{r['prefill_tokens_computed']:,}", "n/a" if hit is None else f"{hit:.1%}",
+                  f"{r['preemptions_total']:,}",
+                  " / ".join(format_bytes(m[k]) for k in ("weights_bytes", "kv_cache_bytes", "nccl_buffer_bytes")))  # fmt: skip
+    console.print(t)
+    good = s["request_goodput_req_s"]
+    console.print(
+        f"overall: {s['requests_finished']:,}/{s['requests_total']:,} requests in {s['simulated_duration_s']:,.1f} "
+        f"simulated s: {s['request_throughput_req_s']:,.2f} req/s, {s['output_throughput_tok_s']:,.1f} output tok/s, "
+        f"TTFT p50/p99 {ms(s['ttft_p50_s'])} / {ms(s['ttft_p99_s'])} ms"
+        + ("" if good is None else f", goodput {good:,.2f} req/s")
+        + f", prefill tokens computed {s['prefill_tokens_computed']:,}, KV imbalance (max/mean) mean "
+        f"{s['kv_imbalance_mean']:.2f} max {s['kv_imbalance_max']:.2f}",
+        markup=False,
+    )
+    console.print(f"GPUs in all: {len(reps)} replicas x {tp} (tensor parallel) = {len(reps) * tp} x {spec.hardware.name}; "
+                  f"replay took {res.replay_wall_s:,.1f} s on this machine", markup=False)  # fmt: skip
+    if res.run_dir is not None:
+        console.print(f"summary:  {res.run_dir / 'summary.json'}  (each replica's run: {res.run_dir / 'replica-<i>'})",
+                      markup=False)  # fmt: skip
 
 
 def _calibrate(console, gpu, train, test, out) -> None:

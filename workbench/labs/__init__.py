@@ -12,18 +12,20 @@
 - :mod:`workbench.labs.ch08_chunked_prefill` — chapter 8: chunked prefill and the ITL / TTFT trade-off;
 - :mod:`workbench.labs.ch09_tensor_parallelism` — chapter 9: tensor parallelism, real and simulated;
 - :mod:`workbench.labs.ch10_nccl_buffers` — chapter 10: NCCL buffers, KV blocks and throughput
+- :mod:`workbench.labs.ch11_load_balancing` — chapter 11: replicas behind vLLM's router, policies measured per
+  replica, a replica lost, data-parallel layouts in the simulator
   (what both share: :mod:`workbench.labs.multigpu_common`);
-- :mod:`workbench.labs.ch12_eviction_policies` — chapter 12: eviction policies for shared prefixes (real and simulated runs
-  per policy, the free queue, :class:`~workbench.labs.ch12_eviction_policies.EvictionPanel`; a notebook's own policy class
+- :mod:`workbench.labs.ch13_eviction_policies` — chapter 13: eviction policies for shared prefixes (real and simulated runs
+  per policy, the free queue, :class:`~workbench.labs.ch13_eviction_policies.EvictionPanel`; a notebook's own policy class
   registered by :func:`workbench.plugins.register_class`);
-- :mod:`workbench.labs.ch13_defragmentation` — chapter 13: KV defragmentation by block copies, cost against benefit;
-- :mod:`workbench.labs.ch14_memory_beside_kv` — chapter 14: memory beside the KV cache on every rank (measured on
+- :mod:`workbench.labs.ch14_defragmentation` — chapter 14: KV defragmentation by block copies, cost against benefit;
+- :mod:`workbench.labs.ch15_memory_beside_kv` — chapter 15: memory beside the KV cache on every rank (measured on
   a TP=3 engine, modelled for 4-8 GPUs, a slider panel);
-- :mod:`workbench.labs.ch15_case_study` — chapter 15: the 70B case study replayed in the simulator, hypothesis by hypothesis;
-- :mod:`workbench.labs.ch16_load_testing` — chapter 16: load testing a real ``workbench serve`` with ``bench serve``;
-- :mod:`workbench.labs.ch17_monitoring_and_alerting` — chapter 17: a real Prometheus scraping the server, alerts, the alert-to-action loop;
-- :mod:`workbench.labs.ch18_regression_baseline` — chapter 18: a performance regression baseline and ``bench compare``;
-- :mod:`workbench.labs.ch11_your_own_allocator` — chapter 11: your own allocator (a skeleton's reference solution, buggy
+- :mod:`workbench.labs.ch16_case_study` — chapter 16: the 70B case study replayed in the simulator, hypothesis by hypothesis;
+- :mod:`workbench.labs.ch17_load_testing` — chapter 17: load testing a real ``workbench serve`` with ``bench serve``;
+- :mod:`workbench.labs.ch18_monitoring_and_alerting` — chapter 18: a real Prometheus scraping the server, alerts, the alert-to-action loop;
+- :mod:`workbench.labs.ch19_regression_baseline` — chapter 19: a performance regression baseline and ``bench compare``;
+- :mod:`workbench.labs.ch12_your_own_allocator` — chapter 12: your own allocator (a skeleton's reference solution, buggy
   variants, the scheduler's call trace, side-by-side runs); :func:`register_allocator` plugs a class defined in a
   notebook cell in by name.
 
@@ -56,18 +58,19 @@ _MODULES = (
     "ch04_paged_attention_inside",
     "ch05_batching_strategies",
     "ch06_sharing_and_preemption",
-    "ch15_case_study",
+    "ch16_case_study",
     "ch08_chunked_prefill",
-    "ch12_eviction_policies",
-    "ch16_load_testing",
-    "ch17_monitoring_and_alerting",
-    "ch13_defragmentation",
+    "ch13_eviction_policies",
+    "ch17_load_testing",
+    "ch18_monitoring_and_alerting",
+    "ch14_defragmentation",
     "multigpu_common",
     "ch10_nccl_buffers",
-    "ch11_your_own_allocator",
+    "ch11_load_balancing",
+    "ch12_your_own_allocator",
     "panel",
-    "ch14_memory_beside_kv",
-    "ch18_regression_baseline",
+    "ch15_memory_beside_kv",
+    "ch19_regression_baseline",
     "ch07_parameter_matrix",
     "ch09_tensor_parallelism",
 )
@@ -78,8 +81,8 @@ def __getattr__(name):  # the panel imports ipywidgets: only when asked for
         from workbench.labs.panel import RunPanel
 
         return RunPanel
-    if name == "register_allocator":  # chapter 11's: a notebook's KVManager class, loadable by name
-        from workbench.labs.ch11_your_own_allocator import register_allocator
+    if name == "register_allocator":  # chapter 12's: a notebook's KVManager class, loadable by name
+        from workbench.labs.ch12_your_own_allocator import register_allocator
 
         return register_allocator
     if name in _MODULES:

@@ -1,10 +1,10 @@
-"""What the multi-GPU chapters (9, 10, 14) share: the simulator runs (:func:`sim_run_row` prices a
+"""What the multi-GPU chapters (9, 10, 15) share: the simulator runs (:func:`sim_run_row` prices a
 Megatron-style split of a catalogue model on named GPUs with NVLink or PCIe links, :mod:`workbench.sim`),
 real tensor-parallel engines kept for the session (:func:`tp_engine`, :func:`tp_run`), and the base of
 their panels (widgets named like the engine arguments, a Run button, a plot).
 
 The chapters' own code is in :mod:`workbench.labs.ch09_tensor_parallelism`,
-:mod:`workbench.labs.ch10_nccl_buffers` and :mod:`workbench.labs.ch14_memory_beside_kv`; each re-exports
+:mod:`workbench.labs.ch10_nccl_buffers` and :mod:`workbench.labs.ch15_memory_beside_kv`; each re-exports
 what its notebook uses from here.
 """
 
@@ -233,7 +233,7 @@ class _Panel(RunButtonThread):
         """The status line after a successful run."""
 
 
-# ---------------------------------------------------------------- simulated budgets and long traces (chapters 10 and 14)
+# ---------------------------------------------------------------- simulated budgets and long traces (chapters 10 and 15)
 def sim_budget(model: str, gpu: str, tensor_parallel_size: int, spec: dict[str, Any] | None = None, **engine_args: Any):
     """The simulated engine's memory budget (``MemoryBudget``; buffers from the ``nccl_*`` arguments;
     ``spec``: further :class:`~workbench.sim.SimSpec` fields, e.g. ``custom_all_reduce``)."""
@@ -262,7 +262,7 @@ def long_trace(num_requests: int = 256, seed: int = 0):
     return [TraceRequest(0.0, int(p), int(o), False) for p, o in zip(prompts, outputs)]
 
 
-# ---------------------------------------------------------------- real tensor-parallel engines (chapters 9 and 14)
+# ---------------------------------------------------------------- real tensor-parallel engines (chapters 9 and 15)
 def tp_trace(num_requests: int = 4, max_output: int = 8, seed: int = 0):
     """The chapter's small trace: ``num_requests`` short real prompts (at most 200 characters),
     seeded output lengths of at most ``max_output`` tokens (:func:`~workbench.labs.runs.lab_trace`).

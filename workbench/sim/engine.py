@@ -42,6 +42,9 @@ log = logging.getLogger("workbench")
 
 #: token id the simulator samples for a request's end-of-sequence
 SIM_EOS = 1
+#: first prompt token of shared prefix ``k`` is ``PREFIX_TOKEN_BASE + k``: above every per-request first token
+#: (``2 + counter % 1_000_000_007``), so a shared prefix never matches a request's own tokens
+PREFIX_TOKEN_BASE = 2_000_000_000
 _TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -369,10 +372,19 @@ class SimEngine(LLMEngine):
     def _admit_arrivals(self) -> None:
         while self._pending and self._pending[0][1].arrival_s <= self.clock.now:
             rid, tr = self._pending.popleft()
-            self.add_request_lengths(rid, tr.prompt_len, tr.output_len, tr.eos, tr.arrival_s)
+            self.add_request_lengths(
+                rid, tr.prompt_len, tr.output_len, tr.eos, tr.arrival_s, tr.prefix_id, tr.prefix_len
+            )
 
     def add_request_lengths(
-        self, request_id: str, prompt_len: int, output_len: int, eos: bool = True, arrival_time: float = 0.0
+        self,
+        request_id: str,
+        prompt_len: int,
+        output_len: int,
+        eos: bool = True,
+        arrival_time: float = 0.0,
+        prefix_id: int | None = None,
+        prefix_len: int = 0,
     ) -> str:
         """Queue one request by its lengths (tokens), arriving at ``arrival_time`` (simulated s).
 
@@ -388,7 +400,13 @@ class SimEngine(LLMEngine):
             self.executor.stop_at[request_id] = output_len
         else:
             sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
-        ids = [2 + (self._counter % 1_000_000_007)] + [0] * (prompt_len - 1)
+        own = [2 + (self._counter % 1_000_000_007)]
+        shared = min(prefix_len, prompt_len) if prefix_id is not None else 0
+        if shared > 0:
+            ids = [PREFIX_TOKEN_BASE + prefix_id] + [0] * (shared - 1)
+            ids += (own + [0] * (prompt_len - shared - 1)) if prompt_len > shared else []
+        else:
+            ids = own + [0] * (prompt_len - 1)
         return self.add_request(
             request_id, None, sp, arrival_time=arrival_time, tokenized=(ids, None), true_output_len=output_len
         )

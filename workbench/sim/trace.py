@@ -17,6 +17,11 @@ Lengths:
   a JSON list of such objects; lines are drawn with replacement (seeded). A ``finish_reason`` of
   ``"length"`` means the request ran to its cap (no EOS); anything else ends with EOS.
 
+Shared prefixes: a request may carry ``prefix_id`` / ``prefix_len`` — its first ``prefix_len`` prompt
+tokens are the same for every request with that ``prefix_id`` (and differ between ids), the rest are
+its own. :func:`make_tenant_trace` draws such a trace: Zipf-distributed tenants, each with its own
+system prompt in front of the user prompt of :func:`make_trace`.
+
 Every trace is reproducible from its seed.
 """
 
@@ -46,12 +51,17 @@ class TraceRequest:
         output_len: output tokens the request produces (>= 1).
         eos: it ends with an end-of-sequence token (``finish_reason="stop"``); otherwise it runs
             to ``output_len`` = its ``max_tokens`` (``"length"``).
+        prefix_id: the shared prefix it starts with (``None``: none; every prompt token is its own).
+        prefix_len: tokens of that prefix (its first ``min(prefix_len, prompt_len)`` prompt tokens);
+            ignored without ``prefix_id``.
     """
 
     arrival_s: float
     prompt_len: int
     output_len: int
     eos: bool = True
+    prefix_id: int | None = None
+    prefix_len: int = 0
 
 
 def arrivals(request_rate: float, duration_s: float, arrival: str = "poisson", seed: int = 0) -> np.ndarray:
@@ -146,4 +156,49 @@ def make_trace(
     return [
         TraceRequest(float(a), int(p), int(o), bool(e))
         for a, p, o, e in zip(t.tolist(), prompt.tolist(), output.tolist(), eos.tolist())
+    ]
+
+
+def zipf_weights(num_tenants: int, zipf_s: float) -> np.ndarray:
+    """Probabilities of tenants ``0 .. num_tenants - 1``: proportional to ``1 / (k + 1) ** zipf_s``
+    (tenant 0 the busiest; ``zipf_s = 0`` is uniform).
+
+    Raises:
+        ValueError: ``num_tenants < 1`` or a negative or non-finite ``zipf_s``.
+    """
+    if not isinstance(num_tenants, int | np.integer) or num_tenants < 1:
+        raise ValueError(f"num_tenants={num_tenants!r} must be an integer >= 1")
+    if not (zipf_s >= 0 and math.isfinite(zipf_s)):
+        raise ValueError(f"zipf_s={zipf_s!r} (the tenants' Zipf exponent) must be a finite number >= 0")
+    w = 1.0 / np.arange(1, num_tenants + 1, dtype=np.float64) ** zipf_s
+    return w / w.sum()
+
+
+def make_tenant_trace(
+    request_rate: float,
+    duration_s: float,
+    dataset: str = "sharegpt",
+    arrival: str = "poisson",
+    seed: int = 0,
+    *,
+    num_tenants: int = 8,
+    zipf_s: float = 1.0,
+    system_prompt_len: int = 1024,
+) -> list[TraceRequest]:
+    """A multi-tenant trace: :func:`make_trace`'s arrivals and lengths, each request drawn a tenant
+    (Zipf, :func:`zipf_weights`, seeded by ``seed``) whose system prompt of ``system_prompt_len``
+    tokens precedes the drawn prompt: ``prompt_len`` = system prompt + drawn prompt,
+    ``prefix_id`` = the tenant, ``prefix_len = system_prompt_len``.
+
+    Raises:
+        ValueError: what :func:`make_trace` and :func:`zipf_weights` raise, or ``system_prompt_len < 1``.
+    """
+    if not isinstance(system_prompt_len, int | np.integer) or system_prompt_len < 1:
+        raise ValueError(f"system_prompt_len={system_prompt_len!r} must be an integer >= 1 (tokens)")
+    p = zipf_weights(num_tenants, zipf_s)
+    base = make_trace(request_rate, duration_s, dataset, arrival, seed)
+    tenants = np.random.default_rng(seed + 2).choice(num_tenants, size=len(base), p=p)
+    return [
+        TraceRequest(r.arrival_s, system_prompt_len + r.prompt_len, r.output_len, r.eos, int(k), system_prompt_len)
+        for r, k in zip(base, tenants.tolist())
     ]

@@ -1,4 +1,4 @@
-"""Chapter 18: a performance regression baseline, and ``workbench bench compare`` catching a regression.
+"""Chapter 19: a performance regression baseline, and ``workbench bench compare`` catching a regression.
 
 A baseline is not one run: it is several *repeats* of the same benchmark, compared by their medians, with the
 repeats of the two sides *interleaved* so that a drift of the machine's speed falls on both. This module records
@@ -207,7 +207,7 @@ def cli_compare(baseline: str | Path, new: str | Path, html: str | Path | None =
 
 
 def verdict_cases(rep: Repeats, baseline: str = "baseline", new: str = "no_prefix_caching") -> list[dict[str, Any]]:
-    """Exercise 18.1's cases from the measured repeats: per gated metric of a ``workbench run`` summary, the two
+    """Exercise 19.1's cases from the measured repeats: per gated metric of a ``workbench run`` summary, the two
     sides' repeats and whether higher is better."""
     from workbench.bench.regression import metrics_of
 
@@ -248,7 +248,7 @@ def rerun_verdict(report, exit_code: int) -> str:
 
 
 # ---------------------------------------------------------------- exercises
-def _verdict18(baseline: list, new: list, higher_is_better: bool) -> str:
+def _verdict19(baseline: list, new: list, higher_is_better: bool) -> str:
     import statistics
 
     ratio = statistics.median(new) / statistics.median(baseline)
@@ -258,7 +258,7 @@ def _verdict18(baseline: list, new: list, higher_is_better: bool) -> str:
 
 
 @_register(
-    "18.1",
+    "19.1",
     "Write verdict(baseline, new, higher_is_better) -> 'regressed' | 'improved' | 'ok' for one metric: baseline and "
     "new are lists of repeats; compare their medians with the dashboard's limits (a latency regressed above 1.20x "
     "the baseline, a throughput below 0.80x; improved beyond the inverse limits). The answer is the function.",
@@ -268,14 +268,14 @@ def _verdict18(baseline: list, new: list, higher_is_better: bool) -> str:
 class _Verdict:
     @staticmethod
     def solution(cases: list):
-        return _verdict18
+        return _verdict19
 
     @staticmethod
     def judge(answer, cases: list) -> tuple[bool, str]:
         if not callable(answer):
             return False, f"give a function verdict(baseline, new, higher_is_better), got {answer!r}"
         for c in cases:
-            want = _verdict18(c["baseline"], c["new"], c["higher_is_better"])
+            want = _verdict19(c["baseline"], c["new"], c["higher_is_better"])
             try:
                 got = answer(list(c["baseline"]), list(c["new"]), c["higher_is_better"])
             except Exception as e:  # noqa: BLE001 - the learner's code: any error is a wrong answer
@@ -288,19 +288,19 @@ class _Verdict:
         return True, f"all {len(cases)} cases right: medians over repeats, limits 1.20x / 0.80x"
 
 
-def _regressed18(rows: list) -> set:
+def _regressed19(rows: list) -> set:
     return {r["key"] for r in rows if r["gated"] and r["verdict"] == "regressed"}
 
 
 @_register(
-    "18.2",
+    "19.2",
     "From this comparison's rows, which gated metrics regressed? (a set of metric keys, e.g. {'ttft_p50_s'})",
     "look at the rows whose 'gated' is True and whose 'verdict' is 'regressed'; tail percentiles are not gated.",
 )
 class _WhichRegressed:
     @staticmethod
     def solution(rows: list) -> set:
-        return _regressed18(rows)
+        return _regressed19(rows)
 
     @staticmethod
     def judge(answer, rows: list) -> tuple[bool, str]:
@@ -315,7 +315,7 @@ class _WhichRegressed:
         keys = {r["key"] for r in rows}
         if got - keys:
             return False, f"{sorted(got - keys)} are not metrics of this report; its keys are {sorted(keys)}"
-        want = _regressed18(rows)
+        want = _regressed19(rows)
         if got == want:
             return True, f"{sorted(want)}: the gated metrics past their limit"
         ungated = {r["key"] for r in rows if not r["gated"]} & got

@@ -1,4 +1,4 @@
-"""Chapter 14 of the labs: memory beside the KV cache on every rank.
+"""Chapter 15 of the labs: memory beside the KV cache on every rank.
 
 What a tensor-parallel rank holds besides its shard of the weights and its KV pool, what can be
 shrunk or shared, and what each byte buys back in KV blocks and concurrent sequences.
@@ -619,7 +619,7 @@ def sim_buyback_table(rows: Sequence[dict[str, Any]]) -> Table:
 def custom_ar_exercise(
     model: str = "llama-2-70b", gpu: str = "H100-80GB", tensor_parallel_size: int = 8, block_size: int = 16
 ) -> dict[str, Any]:
-    """The context of exercise 14.1: ``config``; ``budget`` (the simulated engine's budget *with* the
+    """The context of exercise 15.1: ``config``; ``budget`` (the simulated engine's budget *with* the
     custom all-reduce: ``kv_budget_bytes``, ``block_bytes``, ``num_blocks``); ``engine_num_blocks``
     (its pool with ``disable_custom_all_reduce=True``)."""
     on = gpu_rank_rows(model, gpu, tensor_parallel_size, block_size=block_size)["memory"]
@@ -752,7 +752,7 @@ def _custom_ar(config: dict):
 
 
 @_register(
-    "14.1",
+    "15.1",
     "How many KV blocks per GPU does disable_custom_all_reduce=True buy back for this deployment? "
     "(an integer; checked against the simulated engine's budget with the custom all-reduce off)",
     "a rank's custom all-reduce holds a metadata buffer (meta_size() + max_size), an input buffer (max_size) "

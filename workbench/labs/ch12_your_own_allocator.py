@@ -1,4 +1,4 @@
-"""Chapter 11: your own allocator -- written against the KV-manager interface, checked, plugged in by name.
+"""Chapter 12: your own allocator -- written against the KV-manager interface, checked, plugged in by name.
 
 - :class:`NextFitKVManager`: the chapter's reference allocator (the solution of the notebook's skeleton):
   on-demand blocks like paged, taken *next-fit* -- the search for a free block starts after the block handed out
@@ -50,7 +50,7 @@ def register_allocator(cls: type[KVManager], name: str | None = None) -> str:
     return register_class(cls, KVManager, name)
 
 
-#: the context of exercise 11.1 (the conformance check's schedules and seed)
+#: the context of exercise 12.1 (the conformance check's schedules and seed)
 EXERCISE_CONTEXT = {"schedules": 40, "seed": 11}
 
 
@@ -377,7 +377,7 @@ def source(cls: type, *methods: str) -> None:
 
 # ---------------------------------------------------------------- exercises
 @_register(
-    "11.1",
+    "12.1",
     "Complete the skeleton (allocate_slots, free) so that your allocator passes the conformance check: "
     "the real scheduler over random schedules, invariants every step, nothing leaked (the answer is the class)",
     "allocate_slots adds blocks until the table covers num_total_tokens slots, and refuses (returning False, "

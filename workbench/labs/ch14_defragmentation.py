@@ -1,4 +1,4 @@
-"""Chapter 13 of the labs: KV defragmentation by block copies, and when it pays.
+"""Chapter 14 of the labs: KV defragmentation by block copies, and when it pays.
 
 *Real runs on the bundled model* (float32, CPU): a contiguous allocator (``orca-max``, first-fit) whose waiting
 request fits no hole; a compaction pass (:mod:`workbench.kv.defrag`) recorded exactly as it ran — the block
@@ -41,7 +41,7 @@ __all__ = [
     "TRIGGERS",
     "DefragPanel",
     "RecordingDefragmenter",
-    "EXERCISE_13_1",
+    "EXERCISE_14_1",
     "regions_map",
     "defrag_run",
     "defrag_runs",
@@ -693,8 +693,8 @@ def pass_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
 
 
 # ====================================================================== exercise
-#: exercise 13.1's pool: four regions with holes of two blocks between them, and a request needing five
-EXERCISE_13_1: dict[str, Any] = {
+#: exercise 14.1's pool: four regions with holes of two blocks between them, and a request needing five
+EXERCISE_14_1: dict[str, Any] = {
     "regions": [[2, 4, "a"], [8, 3, "b"], [13, 5, "c"], [20, 2, "d"]],
     "num_blocks": 24,
     "need_blocks": 5,
@@ -825,7 +825,7 @@ def _plan(regions, num_blocks: int, need_blocks: int):
 
 
 @_register(
-    "13.1",
+    "14.1",
     "A contiguous pool (regions = [start, blocks, request]) and a waiting request that needs need_blocks "
     "consecutive blocks: how many blocks does a compaction pass move before a free run holds it? "
     "(an integer; checked against workbench.kv.defrag.plan_compaction)",

@@ -1,4 +1,4 @@
-"""Chapter 17: monitoring and alerting with a real Prometheus, and an alert that acts on the server.
+"""Chapter 18: monitoring and alerting with a real Prometheus, and an alert that acts on the server.
 
 What it drives (all real, all on 127.0.0.1, every process stopped by PID in :meth:`MonitoringStack.stop`, also
 when the notebook's kernel stops):
@@ -570,7 +570,7 @@ def waiting_samples(live: LivePlot) -> list[float]:
 
 def tmp_rules_dir() -> tempfile.TemporaryDirectory:
     """A temporary folder for the demo rules (removed when the object is cleaned up or collected)."""
-    return tempfile.TemporaryDirectory(prefix="wb-ch17-")
+    return tempfile.TemporaryDirectory(prefix="wb-ch18-")
 
 
 # ---------------------------------------------------------------- exercises
@@ -595,7 +595,7 @@ def _hq(q: float, buckets: list) -> float:
 
 
 @_register(
-    "17.1",
+    "18.1",
     "Write histogram_quantile(q, buckets) as Prometheus computes it: buckets are cumulative (le, count) pairs of a "
     "histogram (the last le is +Inf); return the q-quantile in the buckets' unit. The answer is the function.",
     "rank = q x the +Inf bucket's count; find the first bucket whose count reaches the rank; interpolate linearly "
@@ -644,7 +644,7 @@ def _fires_at(samples: list, threshold: float, for_s: float, interval_s: float):
 
 
 @_register(
-    "17.2",
+    "18.2",
     "A rule `expr: waiting > threshold` with `for: for_s` is evaluated once per sample (every interval_s seconds). "
     "At which sample index does it first fire? (an index into samples, or None if it never fires)",
     "the alert goes pending at the first evaluation where the condition holds and fires at the first later "

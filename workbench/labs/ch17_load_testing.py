@@ -1,4 +1,4 @@
-"""Chapter 16: load testing a real ``workbench serve`` with ``workbench bench serve``.
+"""Chapter 17: load testing a real ``workbench serve`` with ``workbench bench serve``.
 
 - :func:`start_server` — :class:`workbench.server.launcher.ServerProcess` (a child process on 127.0.0.1, a free
   port, ``/health`` awaited, stopped by PID) with the chapter's small engine, registered so that it is stopped
@@ -345,13 +345,13 @@ def slo_from(row: dict, ttft_factor: float = 3.0, tpot_factor: float = 1.5) -> d
 
 
 # ---------------------------------------------------------------- exercises
-def _knee16(rows: list, frac: float) -> float | None:
+def _knee17(rows: list, frac: float) -> float | None:
 
     return knee(rows, frac)
 
 
 @_register(
-    "16.1",
+    "17.1",
     "From the sweep's rows (offered and achieved req/s), which offered rate is the knee — the lowest offered rate "
     "whose achieved throughput is below `frac` of it? (a rate in req/s, or None if the server kept up everywhere)",
     "sort the rows by offered rate; the first one with achieved < frac × offered is where completions stop "
@@ -360,11 +360,11 @@ def _knee16(rows: list, frac: float) -> float | None:
 class _Knee:
     @staticmethod
     def solution(rows: list, frac: float) -> float | None:
-        return _knee16(rows, frac)
+        return _knee17(rows, frac)
 
     @staticmethod
     def judge(answer, rows: list, frac: float) -> tuple[bool, str]:
-        want = _knee16(rows, frac)
+        want = _knee17(rows, frac)
         if want is None:
             if answer is None:
                 return True, "None: the server kept up at every offered rate; sweep higher to find the knee"
@@ -390,13 +390,13 @@ class _Knee:
         return False, f"{answer!r} is not one of the offered rates {sorted(r['offered'] for r in rows)}"
 
 
-def _good16(ttfts: list, tpots: list, slo_ttft_s: float, slo_tpot_s: float) -> float:
+def _good17(ttfts: list, tpots: list, slo_ttft_s: float, slo_tpot_s: float) -> float:
 
     return goodput_fraction(ttfts, tpots, slo_ttft_s, slo_tpot_s)
 
 
 @_register(
-    "16.2",
+    "17.2",
     "Per-request TTFT and TPOT (seconds) and an SLO: what fraction of the requests met it? (a number from 0 to 1)",
     "a request is good only if its TTFT ≤ slo_ttft_s AND its TPOT ≤ slo_tpot_s (a TPOT of None — one output "
     "token — meets the TPOT part; a TTFT of None is a failed request); divide the good ones by all requests.",
@@ -404,11 +404,11 @@ def _good16(ttfts: list, tpots: list, slo_ttft_s: float, slo_tpot_s: float) -> f
 class _GoodFraction:
     @staticmethod
     def solution(ttfts: list, tpots: list, slo_ttft_s: float, slo_tpot_s: float) -> float:
-        return _good16(ttfts, tpots, slo_ttft_s, slo_tpot_s)
+        return _good17(ttfts, tpots, slo_ttft_s, slo_tpot_s)
 
     @staticmethod
     def judge(answer, ttfts: list, tpots: list, slo_ttft_s: float, slo_tpot_s: float) -> tuple[bool, str]:
-        want = _good16(ttfts, tpots, slo_ttft_s, slo_tpot_s)
+        want = _good17(ttfts, tpots, slo_ttft_s, slo_tpot_s)
         n = len(ttfts)
         x = _number(answer)
         if x is None:

@@ -1,4 +1,4 @@
-"""Chapter 15: a case study investigated as an incident, in the simulator.
+"""Chapter 16: a case study investigated as an incident, in the simulator.
 
 The report: Llama-2-70B on 4 x A100-80GB (``tensor_parallel_size`` 4), ``gpu_memory_utilization`` 0.9,
 ``max_num_seqs`` 256; after two hours TTFT went from about 180 ms to about 650 ms and throughput from 12 to
@@ -620,7 +620,7 @@ def _gib_unused(budget: dict, kv_utilization: float) -> float:
 
 
 @_register(
-    "15.3",
+    "16.3",
     "How many GiB of one GPU's KV pool are allocated but unused at this KV utilization? (a number in GiB)",
     "the pool is preallocated at startup (kv_pool_bytes); KV utilization is token states / pool slots, so the "
     "rest of the pool holds no token state — free blocks and the empty slots of used ones.",
@@ -656,7 +656,7 @@ def _queue_after(rate: float, capacity: float, seconds: float) -> float:
 
 
 @_register(
-    "15.1",
+    "16.1",
     "Requests arrive at `rate` req/s and the server completes `capacity` req/s. How many requests are waiting "
     "after `seconds` seconds, starting from an empty queue? (a number of requests)",
     "every second, rate requests arrive and capacity leave; the difference piles up in the waiting queue "
@@ -697,7 +697,7 @@ def _can_both(rows: list) -> set:
 
 
 @_register(
-    "15.2",
+    "16.2",
     "From the hypothesis table's measurements, which hypotheses can produce both symptoms — TTFT rising and "
     "fewer requests finishing per second? (a set of the hypothesis names, e.g. {'preemption'})",
     "a mechanism explains the report only if its replay shows both; one that shows neither, or only one, or "

@@ -1,4 +1,4 @@
-"""Chapter 12: eviction policies for shared prefixes.
+"""Chapter 13: eviction policies for shared prefixes.
 
 Which free prefix-cached KV block the paged pool hands out next (engine argument ``prefix_cache_eviction``,
 :mod:`workbench.kv.eviction`), measured on the multi-tenant prefix-repetition trace
@@ -429,7 +429,7 @@ def sim_traces(scan_every: int = 3, **overrides: Any) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- exercise 12.1: a hand-built sequence
+# ---------------------------------------------------------------- exercise 13.1: a hand-built sequence
 #: the exercise's pool events: requests allocate blocks for their content, hit cached content, finish (free)
 EXERCISE_EVENTS: list[tuple] = [
     ("alloc", "A", ["sys 0", "sys 1", "A own"]),
@@ -512,7 +512,7 @@ def scenario_table(rows: Sequence[dict]) -> Table:
 
 
 def eviction_exercise() -> dict[str, Any]:
-    """Exercise 12.1's context: the events, the pool size and the blocks the next request needs."""
+    """Exercise 13.1's context: the events, the pool size and the blocks the next request needs."""
     return {"events": list(EXERCISE_EVENTS), "num_blocks": EXERCISE_POOL, "need": EXERCISE_NEED}
 
 
@@ -621,7 +621,7 @@ def _victims(events, num_blocks: int, need: int) -> dict[str, list[int]]:
 
 
 @_register(
-    "12.1",
+    "13.1",
     "After these pool events, a request needs 3 new blocks. Which blocks does each policy hand out, in order? "
     '(a dict {"lru": [...], "fifo": [...], "lfu": [...]} of block ids; checked against the engine\'s BlockPool)',
     "lru: the front of the free queue, cached or not (a request's blocks are freed tail first); fifo: empty blocks "
