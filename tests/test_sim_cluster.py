@@ -151,7 +151,7 @@ def test_cli_dp2_writes_the_cluster_and_replica_folders(tmp_path):
         ["simulate", "--model", "llama-2-7b", "--gpu", "L4", "-tp", "1", "-dp", "2", "--routing-policy",
          "cache_aware", "--tenants", "3", "--tenant-zipf", "1.1", "--system-prompt-len", "64",
          "--enable-prefix-caching", "--request-rate", "3", "--duration", "3", "--seed", "4", "--output-dir",
-         str(tmp_path), "--run-name", "x", "--no-progress", "--goodput", "ttft:500 tpot:50"],
+         str(tmp_path), "--run-name", "x", "--no-progress", "--goodput", "ttft:500", "tpot:50"],
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     assert "GPUs in all: 2 replicas x 1" in r.output
@@ -161,6 +161,7 @@ def test_cli_dp2_writes_the_cluster_and_replica_folders(tmp_path):
     assert cfg["data_parallel_size"] == 2 and cfg["num_gpus_total"] == 2 and cfg["routing_policy"] == "cache_aware"
     assert len(summary["replicas"]) == 2 and summary["imbalance"]["series"]
     assert summary["request_goodput_req_s"] is not None
+    assert summary["goodput_slo_s"] == {"ttft": 0.5, "tpot": 0.05}  # bench serve's form: --goodput ttft:500 tpot:50
     assert (d / "timeline.json").is_file()
     for i in (0, 1):
         for f in ("steps.jsonl", "requests.jsonl", "summary.json", "config.json", "report.html", "timeline.json"):

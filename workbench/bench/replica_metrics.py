@@ -145,8 +145,8 @@ class ReplicaMonitor:
             row: dict = {"url": url}
             answered = [r["replicas"][i] for r in self.readings if r["replicas"][i]["up"]]
             row["lost"] = not self.readings[-1]["replicas"][i]["up"]
-            for key in COUNTERS:
-                row[key] = answered[-1][key] - first[i][key]
+            for key in COUNTERS:  # counts of requests and tokens: whole numbers
+                row[key] = round(answered[-1][key] - first[i][key])
             q, h = row["prefix_cache_queries"], row["prefix_cache_hits"]
             row["prefix_cache_hit_rate"] = h / q if q else None
             row["prefill_tokens_computed"] = row["prompt_tokens"] - h

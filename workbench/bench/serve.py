@@ -736,11 +736,11 @@ def format_result(result: dict[str, Any], metrics: list[str], percentiles: list[
         lines.append("{s:{c}^{n}}".format(s="Replicas", n=50, c="-"))
         for i, r in enumerate(result["replicas"]):
             hit = "n/a" if r["prefix_cache_hit_rate"] is None else f"{r['prefix_cache_hit_rate']:.0%}"
-            usage = "n/a" if r["max_kv_cache_usage"] is None else f"{r['max_kv_cache_usage']:.0%}"
+            usage = "n/a" if r["max_kv_cache_usage"] is None else f"{r['max_kv_cache_usage']:.1%}"
             lost = " (lost)" if r["lost"] else ""
             lines.append(
-                f"{i} {r['url']}{lost}: {r['requests']:.0f} req, prefix hits {hit}, "
-                f"peak KV {usage}, {r['preemptions']:.0f} preempted"
+                f"{i} {r['url']}{lost}: {r['requests']} req, prefix hits {hit}, "
+                f"peak KV {usage}, {r['preemptions']} preempted"
             )
         lines.append(row("KV imbalance, mean (max/mean):", result["kv_imbalance_mean"]))
         lines.append(row("KV imbalance, max (max/mean):", result["kv_imbalance_max"]))

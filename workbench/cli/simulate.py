@@ -142,7 +142,7 @@ def _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_re
 @click.option(
     "--goodput",
     multiple=True,
-    help="SLOs in ms a good request meets, as bench serve: --goodput 'ttft:500 tpot:50' (metrics: ttft, tpot)",
+    help="SLOs in ms a good request meets, as bench serve: --goodput ttft:500 tpot:50 (metrics: ttft, tpot)",
 )
 @click.option("--max-tokens", default=None, type=int, help="output cap of requests that end with EOS [max_model_len]")
 @click.option("--window", default=600.0, show_default=True, type=float, help="timeline window (simulated s)")
@@ -176,11 +176,12 @@ def _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_re
         "distributed_timeout_s",
     )
 )
+@click.argument("more_goodput", nargs=-1, metavar="")
 def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels,
                      calibration, request_rate, duration, arrival, dataset, tenants, tenant_zipf, system_prompt_len,
                      data_parallel_size, routing_policy, cache_threshold, balance_abs_threshold,
                      balance_rel_threshold, goodput, max_tokens, window, itl, output_dir, run_name, progress,
-                     calibrate, train, test, calibration_out, **kw):  # fmt: skip
+                     calibrate, train, test, calibration_out, more_goodput, **kw):  # fmt: skip
     """Replay a trace of requests on TENSOR_PARALLEL_SIZE simulated GPUs serving MODEL, with the real
     scheduler and KV manager and a cost model of the GPU; write a run folder like `workbench run`.
 
@@ -189,16 +190,18 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
         --max-num-seqs 256 --request-rate 12 --duration 7200 --no-itl
     workbench simulate --model llama-2-7b --gpu L4 -tp 1 --dataset alpaca --request-rate 4
     workbench simulate --model llama-2-70b --gpu H100-80GB -tp 4 -dp 2 --routing-policy cache_aware \\
-        --tenants 16 --enable-prefix-caching --goodput 'ttft:2000 tpot:100'
+        --tenants 16 --enable-prefix-caching --goodput ttft:2000 tpot:100
 
     With -dp N, N replicas (each its own scheduler and KV pool) sit behind a modelled router: the
     routing policies model vllm-router's rules (docs/simulator.md); they are not the router itself.
     workbench simulate --calibrate --gpu cpu --train runs/A --train runs/B --test runs/C
     """
+    import sys
+
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a log or pipe: wide enough for -dp's table
     if calibrate:
         _calibrate(console, gpu, train, test, calibration_out)
         return
@@ -221,7 +224,9 @@ def simulate_command(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, ac
         from workbench.sim.cluster import check_cluster_args
 
         check_cluster_args(data_parallel_size, routing_policy)
-        slo = _goodput_slo(goodput)
+        if more_goodput and not goodput:
+            raise click.UsageError(f"unexpected argument(s) {' '.join(more_goodput)}; did you mean --goodput?")
+        slo = _goodput_slo([*goodput, *more_goodput])
         spec = _spec(model, gpu, tensor_parallel_size, dtype, kv_cache_dtype, activation_reserve, nccl_nchannels,
                      calibration)  # fmt: skip
         info = {"request_rate": request_rate, "duration_s": duration, "arrival": arrival, "dataset": dataset,

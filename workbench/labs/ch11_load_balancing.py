@@ -9,10 +9,11 @@ time, measured per replica.
   sessions whose every turn repeats the conversation so far. Seeded, token counts from the bundled tokenizer;
 - :class:`PolicyRuns` — one ``bench serve`` run per (policy, workload) through a router with that policy, the
   replicas' ``/metrics`` read every half second (:class:`workbench.bench.replica_metrics.ReplicaMonitor`) and drawn
-  live per replica (KV-cache usage, waiting requests, the KV imbalance); :meth:`PolicyRuns.table` side by side;
+  live per replica (KV-cache usage, waiting requests, fragmentation rate) with the KV imbalance; :meth:`PolicyRuns.table`
+  side by side;
 - :class:`PolicyPanel` — policy, replica count and workload as widgets and a Run button over the same;
 - :func:`lose_a_replica` — a run during which one replica is SIGKILLed: what each request saw, by send time;
-- :func:`best_policy`, :func:`kv_imbalance` — the rules the exercises check.
+- :func:`best_policy` and :func:`workbench.bench.replica_metrics.kv_imbalance` — the rules the exercises check.
 
 Latencies and throughputs are measured on whatever CPU runs the notebook: they vary run to run. Which replica
 served what, hit rates and token counts follow from the policy and the workload.
@@ -341,38 +342,43 @@ class PolicyRuns:
 
 
 def _as_replicas(reading: dict) -> list[dict]:
-    n = len(reading["kv_cache_usage"])
-    return [{"kv_cache_usage": reading["kv_cache_usage"][i], "waiting": reading["waiting"][i]} for i in range(n)]
+    keys = ("kv_cache_usage", "waiting", "fragmentation_rate")
+    return [{k: reading[k][i] for k in keys} for i in range(len(reading["kv_cache_usage"]))]
 
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 
 
 def live_figure(n_replicas: int, widget: bool = True):
-    """Three panels against seconds: KV-cache usage (%) and waiting requests per replica, and the KV imbalance."""
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
+    """Four panels against seconds: KV-cache usage (%), waiting requests and fragmentation rate (%) per replica, and
+    the KV imbalance."""
+    fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=("KV-cache usage per replica (vllm:kv_cache_usage_perc)",
                                         "waiting requests per replica (vllm:num_requests_waiting)",
+                                        "fragmentation rate per replica (workbench:fragmentation_rate)",
                                         "KV imbalance: fullest replica's usage / the replicas' mean"))  # fmt: skip
     f = go.FigureWidget(fig) if widget else go.Figure(fig)
     for i in range(n_replicas):
         c = {"color": _COLORS[i % len(_COLORS)]}
         f.add_scatter(x=[], y=[], mode="lines", name=f"replica {i}", line=c, legendgroup=str(i), row=1, col=1)
-        f.add_scatter(x=[], y=[], mode="lines", name=f"replica {i}", line=c, legendgroup=str(i), showlegend=False,
-                      row=2, col=1)  # fmt: skip
-    f.add_scatter(x=[], y=[], mode="lines", name="imbalance", line={"color": "black"}, row=3, col=1)
-    f.update_layout(height=760, hovermode="x unified", margin={"t": 90}, width=920 if widget else None,
+        for row in (2, 3):
+            f.add_scatter(x=[], y=[], mode="lines", name=f"replica {i}", line=c, legendgroup=str(i),
+                          showlegend=False, row=row, col=1)  # fmt: skip
+    f.add_scatter(x=[], y=[], mode="lines", name="imbalance", line={"color": "black"}, row=4, col=1)
+    f.update_layout(height=940, hovermode="x unified", margin={"t": 90}, width=920 if widget else None,
                     legend={"orientation": "h", "y": 1.06, "yanchor": "bottom", "x": 0})  # fmt: skip
     f.update_yaxes(title="%", rangemode="tozero", row=1, col=1)
     f.update_yaxes(title="requests", rangemode="tozero", row=2, col=1)
-    f.update_yaxes(title="max / mean", range=[0.9, n_replicas + 0.1], row=3, col=1)
-    f.update_xaxes(title="seconds since the first run", row=3, col=1)
+    f.update_yaxes(title="%", rangemode="tozero", row=3, col=1)
+    f.update_yaxes(title="max / mean", range=[0.9, n_replicas + 0.1], row=4, col=1)
+    f.update_xaxes(title="seconds since the first run", row=4, col=1)
     return f
 
 
 def add_readings(fig, readings: list[dict]) -> None:
-    """Append monitor readings (``{"t_s", "replicas": [{"kv_cache_usage", "waiting", ...}]}``) to
-    :func:`live_figure`'s traces; a replica that did not answer adds a gap."""
+    """Append monitor readings (``{"t_s", "replicas": [{"kv_cache_usage", "waiting", "fragmentation_rate", ...}]}``)
+    to :func:`live_figure`'s traces (three per replica, then the imbalance); a replica that did not answer adds a
+    gap."""
     if not readings:
         return
     n = len(readings[0]["replicas"])
@@ -380,12 +386,11 @@ def add_readings(fig, readings: list[dict]) -> None:
         d = fig.data
         ts = tuple(r["t_s"] for r in readings)
         for i in range(n):
-            usage = tuple(_scaled(r["replicas"][i]["kv_cache_usage"], 100) for r in readings)
-            waiting = tuple(r["replicas"][i]["waiting"] for r in readings)
-            d[2 * i].x, d[2 * i].y = (*d[2 * i].x, *ts), (*d[2 * i].y, *usage)
-            d[2 * i + 1].x, d[2 * i + 1].y = (*d[2 * i + 1].x, *ts), (*d[2 * i + 1].y, *waiting)
+            for j, (key, k) in enumerate((("kv_cache_usage", 100), ("waiting", 1), ("fragmentation_rate", 100))):
+                tr = d[3 * i + j]
+                tr.x, tr.y = (*tr.x, *ts), (*tr.y, *(_scaled(r["replicas"][i][key], k) for r in readings))
         imb = tuple(kv_imbalance([x["kv_cache_usage"] for x in r["replicas"]]) for r in readings)
-        d[2 * n].x, d[2 * n].y = (*d[2 * n].x, *ts), (*d[2 * n].y, *imb)
+        d[3 * n].x, d[3 * n].y = (*d[3 * n].x, *ts), (*d[3 * n].y, *imb)
 
 
 def _scaled(v, k):
@@ -439,7 +444,9 @@ def lose_a_replica(replicas, samples: list[SampleRequest], request_rate: float, 
     request. The result: ``bench serve``'s (``failed``, ``errors``, per-request latencies) with ``kill_s`` (when the
     kill came, seconds after the first request was sent), ``send_s`` (each request's send time, the same clock),
     ``failed_sent_before`` / ``sent_after`` / ``answered_after`` (failed requests sent before the kill; requests
-    sent after it, and how many of those were answered), ``victim_alive`` (its ``/health`` after the run), and the
+    sent after it, and how many of those were answered), ``e2el_before_s`` / ``e2el_after_s`` (median end-to-end
+    latency of the answered requests sent before / after the kill: what absorbing the load costs), ``victim_alive``
+    (its ``/health`` after the run), and the
     router's ``retries`` and circuit-breaker ``breaker_open`` for the lost replica.
 
     The replica set has one replica less afterwards: start a new one for more runs.
@@ -468,6 +475,9 @@ def lose_a_replica(replicas, samples: list[SampleRequest], request_rate: float, 
     after = [not e for t, e in zip(res["send_s"], res["errors"]) if t >= res["kill_s"]]
     res["sent_after"], res["answered_after"] = len(after), sum(after)
     res["failed_sent_before"] = sum(1 for t, e in zip(res["send_s"], res["errors"]) if e and t < res["kill_s"])
+    for side, keep in (("before", lambda t: t < res["kill_s"]), ("after", lambda t: t >= res["kill_s"])):
+        e2el = [x for t, x in zip(res["send_s"], res["latencies"]) if x is not None and keep(t)]
+        res[f"e2el_{side}_s"] = float(np.median(e2el)) if e2el else None
     res["retries"] = metrics.get(("vllm_router_retries_total", None), 0.0)
     res["breaker_open"] = metrics.get(("vllm_router_cb_state", lost)) == 1
     return res

@@ -201,6 +201,14 @@ class Replicas:
         """The router's base URL: where clients send requests."""
         return self.router.base_url
 
+    @property
+    def pids(self) -> dict[str, int | None]:
+        """Every process's PID by name: ``replica-<i>`` and ``router`` (``ps`` names the router ``vllm::router``);
+        ``None`` for one not started."""
+        out = {f"replica-{i}": s.pid for i, s in enumerate(self.servers)}
+        out["router"] = self.router.proc.pid if self.router is not None and self.router.proc else None
+        return out
+
     def start(self) -> Replicas:
         try:
             for s in self.servers:
