@@ -1,6 +1,6 @@
 """Alert to action: the server's admin API (``--enable-admin-api``), the alert receiver in both alert shapes, and the
-whole loop — a real Prometheus fires a rule, pushes the alert to the receiver, the receiver lowers the server's
-admission — on loopback, every process stopped by PID."""
+whole loop — a real Prometheus fires a rule, pushes the alert to the receiver, the receiver sheds load on the
+server — on loopback, every process stopped by PID; and vLLM's ``--max-num-queued-reqs`` admission valve."""
 
 from __future__ import annotations
 
@@ -74,21 +74,72 @@ def test_the_receiver_acts_on_firing_alerts_once_per_cooldown(server):
                 {"labels": {"alertname": "SomethingElse"}}]  # fmt: skip
         assert call(f"http://{rx.address}/api/v2/alerts", "POST", push)[0] == 200
         taken = rx.actions_taken()
-        assert [(e["alertname"], e["action"]) for e in taken] == [("WaitingQueueGrowing", "lower_admission")]
-        assert taken[0]["result"] == {"max_num_seqs": 4, "previous": 8}
+        assert [(e["alertname"], e["action"]) for e in taken] == [("WaitingQueueGrowing", "shed_load")]
+        assert taken[0]["result"] == {"max_num_queued_reqs": 8, "previous": None}  # max_num_seqs: no queue
         assert [e["firing"] for e in rx.events] == [True, False, True, False, True]
-    assert call(server.base_url + "/admin/state")[1]["max_num_seqs"] == 4
-    with pytest.raises(ValueError, match="each must be one of compact, lower_admission"):
+    state = call(server.base_url + "/admin/state")[1]
+    assert state["max_num_queued_reqs"] == 8 and state["configured_max_num_queued_reqs"] is None
+    assert state["max_num_seqs"] == 8  # shedding leaves the batch as it was
+    call(server.base_url + "/admin/max_num_queued_reqs", "POST", {"max_num_queued_reqs": None})
+    with pytest.raises(ValueError, match="each must be one of compact, lower_admission, shed_load"):
         AlertReceiver(server.base_url, actions={"X": "reboot"})
+    with pytest.raises(ValueError, match="shed_limit=-1"):
+        AlertReceiver(server.base_url, shed_limit=-1)
+
+
+def _rejections(base_url: str) -> float:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("vllm:admission_rejections_total{")
+                and 'reason="max_num_queued_reqs"' in x)  # fmt: skip
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_max_num_queued_reqs_refuses_with_503_and_keeps_what_runs(server):
+    """vLLM's valve: with N requests in flight the next gets 503 (vLLM's message, the limit named), counted in
+    ``vllm:admission_rejections_total``; the request in flight finishes whole; bad limits get 400."""
+    import openai
+
+    url = server.base_url
+    for bad in (-1, "2", True):
+        status, err = call(url + "/admin/max_num_queued_reqs", "POST", {"max_num_queued_reqs": bad})
+        assert status == 400 and f"max_num_queued_reqs={bad!r} must be a whole number >= 0" in err["error"]["message"]
+    status, err = call(url + "/admin/max_num_queued_reqs", "POST", {})
+    assert status == 400 and "max_num_queued_reqs is missing" in err["error"]["message"]
+    before = _rejections(url)
+    assert call(url + "/admin/max_num_queued_reqs", "POST", {"max_num_queued_reqs": 1})[0] == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    try:
+        stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=64, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = iter(stream)
+        first = next(chunks)  # in flight now
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=model, prompt="Hello", max_tokens=4)
+        assert e.value.status_code == 503
+        assert "max_num_queued_reqs=1" in e.value.message and "try again later" in e.value.message
+        rest = list(chunks)
+        text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
+        assert rest[-1].choices[0].finish_reason == "length" and text
+        assert _rejections(url) == before + 1
+        with pytest.raises(openai.APIStatusError) as e:  # two prompts can never fit a limit of one
+            client.completions.create(model=model, prompt=["a", "b"], max_tokens=2)
+        assert e.value.status_code == 503 and "send at most 1 prompts per request" in e.value.message
+        assert _rejections(url) == before + 2
+        ok = client.completions.create(model=model, prompt="Hello", max_tokens=4)  # nothing in flight: admitted
+        assert ok.choices[0].text is not None
+    finally:
+        call(url + "/admin/max_num_queued_reqs", "POST", {"max_num_queued_reqs": None})
 
 
 @pytest.mark.skipif(
     shutil.which("prometheus") is None and os.environ.get("WORKBENCH_REQUIRE_PROMETHEUS") != "1",
     reason="no prometheus (apt-get install prometheus; .ci/run installs it and requires it)",
 )
-def test_a_real_prometheus_alert_lowers_the_servers_admission(server, tmp_path):
+def test_a_real_prometheus_alert_sheds_load_on_the_server(server, tmp_path):
     """A rule that fires at once (requests running >= 0, ``for: 0s``) stands in for an overload; Prometheus pushes
-    it to the receiver, which halves max_num_seqs on the server."""
+    it to the receiver, which caps the server's requests in flight."""
     from workbench.server.prometheus_process import PrometheusProcess
 
     call(server.base_url + "/admin/max_num_seqs", "POST", {"max_num_seqs": 8})
@@ -104,5 +155,6 @@ def test_a_real_prometheus_alert_lowers_the_servers_admission(server, tmp_path):
                 time.sleep(0.5)
     taken = rx.actions_taken()
     assert taken and taken[0]["alertname"] == "WaitingQueueGrowing", rx.events
-    assert taken[0]["result"] == {"max_num_seqs": 4, "previous": 8}
-    assert call(server.base_url + "/admin/state")[1]["max_num_seqs"] == 4
+    assert taken[0]["result"] == {"max_num_queued_reqs": 8, "previous": None}
+    assert call(server.base_url + "/admin/state")[1]["max_num_queued_reqs"] == 8
+    call(server.base_url + "/admin/max_num_queued_reqs", "POST", {"max_num_queued_reqs": None})

@@ -534,3 +534,20 @@ def test_end_to_end_against_workbench_serve():
     assert 0 < res["mean_ttft_ms"] <= res["mean_e2el_ms"]
     assert res["mean_tpot_ms"] > 0 and res["median_itl_ms"] > 0
     assert 1 <= res["max_concurrent_requests"] <= 8
+
+
+def test_vllms_spelling_prefix_repetition_is_accepted():
+    """``--dataset-name prefix_repetition`` (vLLM's spelling, listed by ``--help``) runs as ``prefix-repetition``."""
+    with FakeServer() as srv:
+        res = bs.run_bench_serve(
+            base_url=srv.base_url,
+            dataset_name="prefix_repetition",
+            num_prompts=4,
+            prefix_repetition_prefix_len=16,
+            prefix_repetition_suffix_len=4,
+            prefix_repetition_num_prefixes=2,
+            prefix_repetition_output_len=3,
+            disable_tqdm=True,
+            print_result=False,
+        )
+    assert res["completed"] == 4

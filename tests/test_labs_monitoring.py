@@ -40,7 +40,9 @@ def _alive(pid: int | None) -> bool:
 def test_rules_table_has_every_shipped_alert_with_its_metric_and_reason():
     t = mon.rules_table()
     names = t.column("alert")
-    assert names == ["KVCacheUsageHigh", "KVFragmentationHigh", "Preempting", "TTFTp99AboveSLO", "WaitingQueueGrowing"]
+    # the vLLM file first, then workbench's
+    assert names == ["KVCacheUsageHigh", "Preempting", "TTFTp99AboveSLO", "WaitingQueueGrowing", "KVFragmentationHigh"]
+    assert t.column("works_on") == ["any vLLM"] * 4 + ["workbench only"]
     for row in t:
         assert row["reads"] and row["why"] and row["for"].endswith("m"), row
     by = {r["alert"]: r for r in t}
@@ -81,10 +83,12 @@ def test_load_rules_refuses_a_file_without_groups(tmp_path):
 
 @needs_promtool
 def test_promtool_accepts_shipped_and_demo_rules(tmp_path):
-    rc, out = mon.promtool("check", "rules", "deploy/prometheus/workbench_alerts.yml")
-    assert rc == 0 and "SUCCESS: 5 rules found" in out
-    rc, out = mon.promtool("test", "rules", "deploy/prometheus/workbench_alerts_test.yml")
-    assert rc == 0 and "SUCCESS" in out, out
+    rc, out = mon.promtool(
+        "check", "rules", "deploy/prometheus/vllm_alerts.yml", "deploy/prometheus/workbench_alerts.yml"
+    )
+    assert rc == 0 and "SUCCESS: 4 rules found" in out and "SUCCESS: 1 rules found" in out, out
+    rc, out = mon.promtool("test", "rules", *(str(p.relative_to(mon.DEPLOY.parent)) for p in mon.RULE_TESTS))
+    assert rc == 0 and out.count("SUCCESS") == 2, out
     rc, out = mon.promtool("check", "rules", str(mon.demo_rules(tmp_path / "demo.yml", scale=1 / 150, min_window_s=3)))
     assert rc == 0 and "SUCCESS: 5 rules found" in out, out
 
@@ -92,7 +96,7 @@ def test_promtool_accepts_shipped_and_demo_rules(tmp_path):
 @pytest.mark.slow
 @needs_prometheus
 @pytest.mark.server
-def test_an_overload_fires_the_demo_alert_and_the_receiver_lowers_admission(tmp_path):
+def test_an_overload_fires_the_demo_alert_and_the_receiver_sheds_load(tmp_path):
     demo = mon.demo_rules(tmp_path / "demo.yml", scale=1 / 150, min_window_s=3)
     stack = mon.MonitoringStack([demo], max_model_len=256, max_num_seqs=4, num_gpu_blocks_override=24)
     try:
@@ -106,17 +110,18 @@ def test_an_overload_fires_the_demo_alert_and_the_receiver_lowers_admission(tmp_
         assert load.request_rate == pytest.approx(3 * capacity) and load.num_prompts >= 8
         live.follow(load, interval=1.0, after_s=2.0, limit_s=240)
         result = load.join(60)
-        assert result["completed"] == load.num_prompts
+        assert result["completed"] >= 1 and result["completed"] + result["failed"] == load.num_prompts
         outcome = mon.alert_outcome(stack, load, timeout_s=30)
         assert outcome.splitlines() == [
-            "the receiver acted 1 time(s); first: WaitingQueueGrowing -> lower_admission",
-            "max_num_seqs: configured 4, now 2",
-            "every request completed: True",
+            "the receiver acted 1 time(s); first: WaitingQueueGrowing -> shed_load",
+            "max_num_seqs: configured 4, now 4",
+            "max_num_queued_reqs: configured None, now 4",
+            "every request answered (completed, or refused with 503 once shedding): True",
         ], outcome
         taken = stack.receiver.actions_taken()
-        assert [(a["alertname"], a["action"]) for a in taken] == [("WaitingQueueGrowing", "lower_admission")]
-        assert taken[0]["result"] == {"max_num_seqs": 2, "previous": 4}
-        assert stack.admin_state()["max_num_seqs"] == 2
+        assert [(a["alertname"], a["action"]) for a in taken] == [("WaitingQueueGrowing", "shed_load")]
+        assert taken[0]["result"] == {"max_num_queued_reqs": 4, "previous": None}
+        assert stack.admin_state()["max_num_queued_reqs"] == 4
         assert max(mon.waiting_samples(live)) > 4  # the queue really grew
         assert live.actions and len(live.figure.layout.shapes) == 1  # the action marked on the live figure
         assert any(s["KV cache usage (0..1)"] for s in live.samples)
@@ -124,12 +129,10 @@ def test_an_overload_fires_the_demo_alert_and_the_receiver_lowers_admission(tmp_
         assert rows and not [r for r in rows if r["error"]], rows
         buckets = mon.ttft_buckets(stack)
         # the capacity probe's requests and the overload's
-        assert buckets[-1][0] == float("inf") and buckets[-1][1] == 8 + load.num_prompts
+        assert buckets[-1][0] == float("inf") and buckets[-1][1] == 8 + result["completed"]
         fig = mon.range_figure(stack, live.t0, live.t0 + live.samples[-1]["t"])
         assert {tr.name for tr in fig.data} >= {"waiting", "running", "TTFT p99", "WaitingQueueGrowing"}
-        assert [r["alert"] for r in mon.actions_table(live) if r["action"] == "lower_admission"] == [
-            "WaitingQueueGrowing"
-        ]
+        assert [r["alert"] for r in mon.actions_table(live) if r["action"] == "shed_load"] == ["WaitingQueueGrowing"]
     finally:
         stack.stop()
     assert not any(_alive(p) for p in pids.values()), pids
@@ -148,3 +151,26 @@ def test_the_stack_refuses_what_it_can_before_starting_anything(tmp_path):
         with pytest.raises(ValueError, match="scale="):
             mon.demo_rules(tmp_path / "x.yml", scale=bad)
     assert all(r["annotations"]["description"].startswith("[demo copy") for r in mon.load_rules(demo))
+
+
+def _row(action, completed, refused, goodput, p99):
+    return {"action": action, "sent": 30, "completed": completed, "refused": refused, "request_throughput": 2.0,
+            "median_ttft_ms": p99 / 2, "p99_ttft_ms": p99, "request_goodput": goodput, "slo_ttft_ms": 480.0,
+            "duration": 15.0}  # fmt: skip
+
+
+def test_the_actions_comparison_states_its_verdicts_and_refuses_unknown_actions():
+    rows = [_row("none", 30, 0, 0.4, 9000.0), _row("lower_admission", 30, 0, 0.2, 14000.0),
+            _row("shed_load", 12, 18, 1.1, 800.0)]  # fmt: skip
+    assert mon.action_verdict(rows).splitlines() == [
+        "shed_load raises goodput over no action: True",
+        "shed_load lowers the TTFT p99 of the requests it serves: True",
+        "lower_admission raises goodput over no action: False",
+    ]
+    table = mon.actions_effect_table(rows)
+    assert [r["action"] for r in table] == ["none", "lower_admission", "shed_load"]
+    assert "9,000" in table.to_html() and "refused (503)" in table.to_html() and "TTFT ≤ 480 ms" in table.to_html()
+    with pytest.raises(ValueError, match="action='reboot' must be one of none, lower_admission, shed_load"):
+        mon.compare_actions(None, 1.0, actions=["none", "reboot"])
+    with pytest.raises(ValueError, match="action='x'"):
+        mon.set_action(None, "x")

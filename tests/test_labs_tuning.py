@@ -306,3 +306,29 @@ def test_heatmap_refuses_more_rows_than_grid_points():
     with pytest.raises(ValueError, match="5 rows for a grid of 4 points"):
         sweep.heatmap_figure(grid, rows, "output_throughput_tok_s")
     sweep.heatmap_figure(grid, rows[:2], "output_throughput_tok_s")  # fewer: the rest not run yet
+
+
+def test_memory_runs_size_the_pool_from_memory_and_judge_the_fragmentation_claim(tiny_model):
+    """Chunked prefill's smaller budget profiles a smaller activation peak and so leaves a larger KV pool from the
+    same memory; the verdict reads the fragmentation rates of both runs."""
+    mem = chunked.memory_runs([(32, True), (256, False)], trace=_arrival_trace(), progress=lambda s: None,
+                              model=str(tiny_model), max_model_len=256, device_memory=64 << 20)  # fmt: skip
+    rows = [chunked.memory_row(r) for r in mem.values()]
+    assert [r["label"] for r in rows] == ["B=32 chunked", "B=256 whole"]
+    small, whole = rows
+    assert 0 < small["activation_mib"] < whole["activation_mib"]
+    assert small["kv_pool_tokens"] > whole["kv_pool_tokens"] and small["num_blocks"] > whole["num_blocks"]
+    for r in rows:
+        assert 0 <= r["frag_mean"] <= r["frag_max"] <= 1 and 0 < r["peak_kv_usage"] <= 1
+    verdict = chunked.memory_verdict(rows).splitlines()
+    assert verdict[1].startswith("KV pool: +") and verdict[-1].startswith("verdict: chunked prefill leaves memory")
+    assert [c.header for c in chunked.memory_table(rows).columns][:3] == ["run", "activation peak (MiB)", "KV blocks"]
+
+
+def test_gpu_memory_rows_grow_the_reserve_with_the_budget():
+    rows = chunked.gpu_memory_rows()
+    assert [r["label"] for r in rows] == ["B=2048 chunked", "B=8192 chunked", "B=32768 whole"]
+    acts, kv = [r["activation_gib"] for r in rows], [r["kv_tokens"] for r in rows]
+    assert acts == sorted(acts) and kv == sorted(kv, reverse=True) and acts[0] < acts[-1]
+    with pytest.raises(ValueError, match="whole prompts need max_num_batched_tokens >= max_model_len=32768"):
+        chunked.gpu_memory_rows(budgets=[(8192, False)])

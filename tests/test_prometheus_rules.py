@@ -13,9 +13,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workbench.server.prometheus_process import ALERT_RULES, PrometheusProcess
+from workbench.server.prometheus_process import (
+    ALERT_RULES,
+    RULES_DIR,
+    VLLM_ALERT_RULES,
+    WORKBENCH_ALERT_RULES,
+    PrometheusProcess,
+)
 
-RULES_DIR = ALERT_RULES.parent
 PROMTOOL = shutil.which("promtool")
 # CI (.ci/run) installs Debian's prometheus and sets WORKBENCH_REQUIRE_PROMETHEUS=1: there a missing binary fails
 REQUIRED = os.environ.get("WORKBENCH_REQUIRE_PROMETHEUS") == "1"
@@ -33,32 +38,93 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([PROMTOOL, *args], cwd=RULES_DIR, capture_output=True, text=True, timeout=120)
 
 
+#: vLLM 0.32's metric families that the ``vllm_alerts.yml`` rules and the dashboard's vLLM panels read (from
+#: ``vllm/v1/metrics/loggers.py``; counters without prometheus_client's ``_total`` suffix, histograms without
+#: ``_bucket``). A rule on a name outside this list would never fire on a vLLM server.
+VLLM_FAMILIES = {
+    "vllm:admission_rejections",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_preemptions",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:prefix_cache_hits",
+    "vllm:prefix_cache_queries",
+    "vllm:request_success",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+}
+RULE_FILES = {"vllm_alerts.yml": VLLM_ALERT_RULES, "workbench_alerts.yml": WORKBENCH_ALERT_RULES}
+ALERTS = {
+    "vllm_alerts.yml": {"KVCacheUsageHigh", "Preempting", "TTFTp99AboveSLO", "WaitingQueueGrowing"},
+    "workbench_alerts.yml": {"KVFragmentationHigh"},
+}
+
+
+def family(name: str) -> str:
+    """A series name as its metric family: ``vllm:num_preemptions_total`` -> ``vllm:num_preemptions``."""
+    return re.sub(r"(_total|_bucket|_sum|_count)$", "", name)
+
+
+def metrics_read(text: str) -> set[str]:
+    return set(re.findall(r"\b((?:vllm|workbench):[a-z0-9_]+)", text))
+
+
+def rule_exprs(path: Path) -> list[str]:
+    return [r["expr"] for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
+
+
 @needs_promtool
-def test_promtool_checks_the_rules():
-    r = promtool("check", "rules", ALERT_RULES.name)
+@pytest.mark.parametrize("name", sorted(RULE_FILES))
+def test_promtool_checks_the_rules(name):
+    r = promtool("check", "rules", name)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 5 rules found" in r.stdout
+    assert f"SUCCESS: {len(ALERTS[name])} rules found" in r.stdout
 
 
 @needs_promtool
 def test_promtool_checks_the_example_config():
     r = promtool("check", "config", "prometheus.yml")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 1 rule files found" in r.stdout
+    assert "SUCCESS: 2 rule files found" in r.stdout
 
 
 @needs_promtool
-def test_promtool_unit_tests_every_alert():
-    r = promtool("test", "rules", "workbench_alerts_test.yml")
+@pytest.mark.parametrize("name", sorted(RULE_FILES))
+def test_promtool_unit_tests_every_alert(name):
+    test_file = name.replace(".yml", "_test.yml")
+    r = promtool("test", "rules", test_file)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout
-    alerts = set(re.findall(r"^\s+- alert: (\w+)", ALERT_RULES.read_text(), re.M))
-    tested = set(re.findall(r"alertname: (\w+)", (RULES_DIR / "workbench_alerts_test.yml").read_text()))
-    assert alerts == tested == {"KVCacheUsageHigh", "KVFragmentationHigh", "Preempting", "TTFTp99AboveSLO",
-                                "WaitingQueueGrowing"}  # fmt: skip
+    alerts = set(re.findall(r"^\s+- alert: (\w+)", RULE_FILES[name].read_text(), re.M))
+    tested = set(re.findall(r"alertname: (\w+)", (RULES_DIR / test_file).read_text()))
+    assert alerts == tested == ALERTS[name]
 
 
-def test_every_metric_the_rules_read_is_exported():
+def test_the_shipped_rule_files_are_the_two_split_ones():
+    assert ALERT_RULES == (VLLM_ALERT_RULES, WORKBENCH_ALERT_RULES)
+    assert sorted(p.name for p in RULES_DIR.glob("*_alerts.yml")) == sorted(RULE_FILES)
+
+
+def test_the_vllm_rules_read_only_what_a_vllm_server_exports():
+    read = {family(m) for m in metrics_read("\n".join(rule_exprs(VLLM_ALERT_RULES)))}
+    assert read and read <= VLLM_FAMILIES, read - VLLM_FAMILIES
+
+
+def test_every_workbench_rule_needs_a_workbench_metric():
+    """A rule that reads only ``vllm:`` metrics belongs in vllm_alerts.yml, where vLLM users find it."""
+    for expr in rule_exprs(WORKBENCH_ALERT_RULES):
+        assert any(m.startswith("workbench:") for m in metrics_read(expr)), expr
+
+
+@pytest.mark.parametrize("path", ALERT_RULES, ids=lambda p: p.name)
+def test_every_metric_the_rules_read_is_exported(path):
     """The names in the rules' expressions exist in the exposition of the server's registry (with the
     ``_total`` / ``_bucket`` suffixes prometheus_client gives counters and histograms)."""
     from prometheus_client import generate_latest
@@ -67,8 +133,7 @@ def test_every_metric_the_rules_read_is_exported():
 
     exposed = generate_latest(PrometheusSink("m").registry).decode()
     names = set(re.findall(r"^([a-z0-9_:]+)(?:\{| )", exposed, re.M))
-    exprs = [r["expr"] for g in yaml.safe_load(ALERT_RULES.read_text())["groups"] for r in g["rules"]]
-    read = set(re.findall(r"\b((?:vllm|workbench):[a-z0-9_]+)", "\n".join(exprs)))
+    read = metrics_read("\n".join(rule_exprs(path)))
     assert read and read <= names, read - names
 
 
@@ -80,7 +145,29 @@ def dashboard_exprs() -> list[str]:
     import json
 
     dash = json.loads(DASHBOARD.read_text())
-    return [t["expr"].replace("$__rate_interval", "1m") for p in dash["panels"] for t in p["targets"]]
+    return [t["expr"].replace("$__rate_interval", "1m") for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def test_the_dashboard_marks_every_panel_that_needs_workbench():
+    """A panel reading any ``workbench:`` metric says so in its title and description and sits in the workbench row;
+    every other panel reads only vLLM's families, so it works on any vLLM server."""
+    import json
+
+    rows, marked, plain = None, [], []
+    for p in json.loads(DASHBOARD.read_text())["panels"]:
+        if p["type"] == "row":
+            rows = p["title"]
+            continue
+        read = metrics_read("\n".join(t["expr"] for t in p["targets"]))
+        if any(m.startswith("workbench:") for m in read):
+            assert p["title"].endswith("[workbench]") and "Needs workbench serve" in p["description"], p["title"]
+            assert rows.startswith("workbench's extra metrics"), p["title"]
+            marked.append(p["title"])
+        else:
+            assert "[workbench]" not in p["title"] and {family(m) for m in read} <= VLLM_FAMILIES, p["title"]
+            assert rows.startswith("vLLM metrics"), p["title"]
+            plain.append(p["title"])
+    assert len(marked) == 4 and len(plain) == 10
 
 
 def test_the_dashboard_reads_exported_metrics_only():
@@ -137,4 +224,9 @@ def test_prometheus_process_refuses_bad_targets():
     with pytest.raises(ValueError, match="scrape_interval=0"):
         PrometheusProcess(["http://127.0.0.1:8000"], scrape_interval=0)
     cfg = PrometheusProcess(["http://127.0.0.1:8000"], alertmanager="127.0.0.1:9093").config_text()
-    assert '"127.0.0.1:8000"' in cfg and '"127.0.0.1:9093"' in cfg and "workbench_alerts.yml" in cfg
+    assert (
+        '"127.0.0.1:8000"' in cfg
+        and '"127.0.0.1:9093"' in cfg
+        and "workbench_alerts.yml" in cfg
+        and "vllm_alerts.yml" in cfg
+    )

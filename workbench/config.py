@@ -80,6 +80,7 @@ class EngineConfig:
         cli={"type": "bytes"},
     )
     max_num_seqs: int = arg(64, "most requests in one step (batch)", minimum=1)
+    max_num_queued_reqs: int | None = arg(None, "serve: in flight before new requests get 503 [no limit]", minimum=0)
     max_num_batched_tokens: int | None = arg(
         None,
         "token budget per step (prefill + decode) [default: 2048 with chunked prefill, else max_model_len]",

@@ -604,6 +604,7 @@ def run_bench_serve(
     backend = _endpoint_kind(endpoint)
     chat = backend == "openai-chat"
     if samples is None:
+        dataset_name = {"prefix_repetition": "prefix-repetition"}.get(dataset_name, dataset_name)  # vLLM's spelling
         _check(
             dataset_name in DATASET_NAMES,
             f"--dataset-name {dataset_name!r} is not one of {', '.join(DATASET_NAMES)}",

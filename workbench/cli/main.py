@@ -281,7 +281,8 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
 @click.option(
     "--enable-admin-api",
     is_flag=True,
-    help="add GET /admin/state, POST /admin/compact and /admin/max_num_seqs (an alert receiver's actions; not in vLLM)",
+    help="add GET /admin/state, POST /admin/compact, /admin/max_num_seqs and /admin/max_num_queued_reqs (an alert "
+    "receiver's actions; not in vLLM)",
 )
 @click.option(
     "--max-request-body-bytes",

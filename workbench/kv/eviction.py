@@ -11,7 +11,7 @@ Built-in policies (the names of :data:`workbench.config.PREFIX_CACHE_EVICTIONS`)
 * ``"lru"`` (:class:`LRUPolicy`, the default): vLLM's rule. One free queue in the order blocks were freed (a
   request's blocks tail first), handed out from the front, cached or not; a prefix hit takes a block off the
   queue (vLLM ``vllm/v1/core/block_pool.py``, ``FreeKVCacheBlockQueue``; docs "design/prefix_caching",
-  "eviction order"). The least recently freed block goes first.
+  "eviction order"). The least recently freed block goes first (vLLM 0.32 puts uncached freed blocks in front).
 * ``"fifo"`` (:class:`FIFOPolicy`): free blocks holding no cached content first (in the order freed), then the
   cached block whose content was cached earliest, however often it was hit since (first-in first-out, as in
   the classic page-replacement algorithms; Belady, IBM Systems Journal 5(2), 1966).
@@ -173,7 +173,7 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """vLLM's rule: the front of the free queue (the least recently freed block, cached or not)."""
+    """vLLM's documented rule: the front of the free queue (the least recently freed block, cached or not)."""
 
     name = "lru"
 

@@ -41,12 +41,19 @@ from workbench.viz.common import LEGEND_ABOVE, LEGEND_ABOVE_MARGIN
 
 __all__ = [
     "CHUNKED_ENGINE_DEFAULTS",
+    "MEMORY_ENGINE_ARGS",
     "ArrivalResult",
     "TradeoffPanel",
     "arrival_run",
     "chunked_trace",
     "trace_table",
     "exercise_prefills",
+    "gpu_memory_rows",
+    "gpu_memory_table",
+    "memory_row",
+    "memory_runs",
+    "memory_table",
+    "memory_verdict",
     "prefill_measurements",
     "tradeoff_figure",
     "tradeoff_row",
@@ -286,6 +293,139 @@ def tradeoff_runs(runs: Sequence[tuple[int, bool]], *, trace=None, **engine_args
         res = arrival_run(trace, max_num_batched_tokens=budget, enable_chunked_prefill=on, **engine_args)
         out[tradeoff_row(res)["label"]] = res
     return out
+
+
+#: engine arguments of the memory comparison (over the chapter's): the KV pool sized from a memory budget, as on a
+#: GPU (capacity x gpu_memory_utilization - weights - profiled activation peak), instead of a fixed block count,
+#: so that what the token budget does to the activation workspace shows in the pool
+MEMORY_ENGINE_ARGS: dict[str, Any] = {"num_gpu_blocks_override": None, "device_memory": 1 << 30}
+
+
+def memory_runs(
+    runs: Sequence[tuple[int, bool]] = ((256, True), (1024, False)),
+    *,
+    trace=None,
+    progress: Callable[[str], Any] = print,
+    **engine_args: Any,
+) -> dict[str, ArrivalResult]:
+    """:func:`tradeoff_runs` with the pool sized from memory (:data:`MEMORY_ENGINE_ARGS`: 1 GiB of "device"
+    memory): chunked prefill at a small budget against whole prompts at ``max_model_len``'s budget, vLLM's
+    default without chunking. ``progress`` gets a line as each run starts."""
+    out = {}
+    for i, run in enumerate(runs):
+        progress(f"[{i + 1}/{len(runs)}] max_num_batched_tokens={run[0]}, enable_chunked_prefill={run[1]} ...")
+        out |= tradeoff_runs([run], trace=trace, **(MEMORY_ENGINE_ARGS | engine_args))
+    return out
+
+
+def memory_row(res: ArrivalResult) -> dict[str, Any]:
+    """What a run's token budget did to memory, all deterministic: the profiled activation peak (MiB) of one
+    forward at the budget, the KV pool it left (blocks, tokens), the peak share of blocks in use, the fragmentation
+    rate (occupied slots holding no token state) as a mean over the steps that held memory and at its highest, and
+    preemptions."""
+    steps = [s for s in res.recorder.steps if s.blocks_used > 0]
+    rates = [s.fragmentation_rate for s in steps]
+    return {
+        "label": tradeoff_row(res)["label"],
+        "activation_mib": res.memory["activation_bytes"] / 2**20,
+        "num_blocks": res.memory["num_blocks"],
+        "kv_pool_tokens": res.memory["kv_pool_tokens"],
+        "peak_kv_usage": max((s.blocks_used / s.num_blocks for s in steps), default=0.0),
+        "frag_mean": float(np.mean(rates)) if rates else 0.0,
+        "frag_max": max(rates, default=0.0),
+        "preemptions": sum(s.num_preemptions for s in res.recorder.steps),
+    }
+
+
+def memory_table(rows: Sequence[dict]):
+    """:func:`memory_row` rows as a table."""
+    from workbench.viz.table import Column, Table
+
+    def pct(v):
+        return f"{100 * v:.1f}%"
+
+    return Table(
+        [
+            Column("label", "run", str, align="left"),
+            Column("activation_mib", "activation peak (MiB)", lambda v: f"{v:,.1f}"),
+            Column("num_blocks", "KV blocks", lambda v: f"{v:,}"),
+            Column("kv_pool_tokens", "KV pool (tokens)", lambda v: f"{v:,}"),
+            Column("peak_kv_usage", "peak KV in use", pct),
+            Column("frag_mean", "fragmentation rate, mean", pct),
+            Column("frag_max", "fragmentation rate, max", pct),
+            Column("preemptions", "preemptions"),
+        ],
+        list(rows),
+    )
+
+
+#: the GPU-scale comparison: (model, GPU, max_model_len) and the budgets compared (chunked, and whole prompts at
+#: max_model_len as vLLM's default without chunking)
+GPU_MEMORY_CASE = ("qwen2.5-7b", "H100-80GB", 32768)
+GPU_MEMORY_BUDGETS = ((2048, True), (8192, True), (32768, False))
+
+
+def gpu_memory_rows(
+    model: str = GPU_MEMORY_CASE[0], gpu: str = GPU_MEMORY_CASE[1], max_model_len: int = GPU_MEMORY_CASE[2],
+    budgets: Sequence[tuple[int, bool]] = GPU_MEMORY_BUDGETS, max_num_seqs: int = 256,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The same question at GPU scale, from ``workbench kv-calc``'s analytical activation estimate
+    (:func:`workbench.kvcalc.kv_calc` with ``activation_reserve="estimate"``, bfloat16, vLLM's
+    ``max_num_seqs`` 256): per budget, the activation reserve (GiB), the KV pool (GiB and tokens) and the
+    ``max_model_len`` sequences that fit. Whole prompts need a budget of at least ``max_model_len``."""
+    from workbench.kvcalc import kv_calc
+
+    rows = []
+    for budget, chunked in budgets:
+        if not chunked and budget < max_model_len:
+            raise ValueError(
+                f"whole prompts need max_num_batched_tokens >= max_model_len={max_model_len}, got {budget}"
+            )
+        r = kv_calc(model, dtype="bfloat16", gpu=gpu, activation_reserve="estimate", seq_len=max_model_len,
+                    max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)  # fmt: skip
+        rows.append({
+            "label": f"B={budget} {'chunked' if chunked else 'whole'}",
+            "activation_gib": r.activation_reserve_bytes / 2**30,
+            "kv_gib": r.kv_budget_bytes / 2**30,
+            "kv_tokens": r.kv_tokens,
+            "max_sequences": r.max_sequences,
+        })  # fmt: skip
+    return rows
+
+
+def gpu_memory_table(rows: Sequence[dict]):
+    """:func:`gpu_memory_rows` as a table."""
+    from workbench.viz.table import Column, Table
+
+    return Table(
+        [
+            Column("label", "budget", str, align="left"),
+            Column("activation_gib", "activation reserve (GiB)", lambda v: f"{v:,.2f}"),
+            Column("kv_gib", "KV pool (GiB)", lambda v: f"{v:,.2f}"),
+            Column("kv_tokens", "KV pool (tokens)", lambda v: f"{v:,}"),
+            Column("max_sequences", "sequences of max_model_len", lambda v: f"{v:,}"),
+        ],
+        list(rows),
+    )
+
+
+def memory_verdict(rows: Sequence[dict]) -> str:
+    """The outline's claim "chunked prefill suppresses fragmentation", judged from :func:`memory_row` rows of a
+    chunked and a whole-prompt run: what the budget did to the activation peak and the KV pool, and to the
+    fragmentation rate (a change under one percentage point counts as none)."""
+    chunked = next(r for r in rows if r["label"].endswith("chunked"))
+    whole = next(r for r in rows if not r["label"].endswith("chunked"))
+    more = chunked["kv_pool_tokens"] / whole["kv_pool_tokens"] - 1
+    d = 100 * (chunked["frag_mean"] - whole["frag_mean"])
+    frag = "none (under one point)" if abs(d) < 1 else f"{d:+.1f} points"
+    return "\n".join([
+        f"activation peak: {chunked['activation_mib']:,.1f} MiB chunked vs {whole['activation_mib']:,.1f} MiB whole",
+        f"KV pool: {more:+.1%} tokens with chunked prefill",
+        f"fragmentation rate (mean) change from chunking: {frag}",
+        "verdict: chunked prefill leaves memory to the KV pool; "
+        + ("it does not suppress fragmentation on a paged pool" if abs(d) < 1 else
+           ("it lowers the fragmentation rate" if d < 0 else "it raises the fragmentation rate")),
+    ])  # fmt: skip
 
 
 def exercise_prefills(results: dict[str, ArrivalResult]) -> list[dict]:

@@ -6,10 +6,12 @@ when the notebook's kernel stops):
 - ``workbench serve --enable-admin-api`` (:class:`workbench.server.launcher.ServerProcess`): ``/metrics`` with the
   ``vllm:`` names and ours (``workbench:``), and the admin actions an alert can call;
 - Debian's ``prometheus`` (:class:`workbench.server.prometheus_process.PrometheusProcess`), scraping it every half second
-  and evaluating the shipped alert rules (``deploy/prometheus/workbench_alerts.yml``) with their time windows
+  and evaluating the shipped alert rules (``deploy/prometheus/vllm_alerts.yml`` and ``workbench_alerts.yml``) with their time windows
   shortened for a demonstration (:func:`demo_rules`: minutes become seconds, thresholds unchanged);
 - the alert receiver (:class:`workbench.server.alert_receiver.AlertReceiver`) that Prometheus pushes firing alerts
-  to, and that calls the server's admin API (``WaitingQueueGrowing`` -> halve ``max_num_seqs``);
+  to, and that calls the server's admin API (``WaitingQueueGrowing`` -> cap the requests in flight, vLLM's
+  ``--max-num-queued-reqs``; :func:`compare_actions` measures that action against none and against halving
+  ``max_num_seqs`` on the same overload);
 - ``promtool check rules`` / ``promtool test rules`` on the shipped files (:func:`promtool`);
 - the Grafana dashboard's panel queries (``deploy/grafana/workbench_dashboard.json``) evaluated against the live
   Prometheus (:func:`dashboard_rows`).
@@ -34,11 +36,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.labs.exercise_registry import _register
-from workbench.server.prometheus_process import ALERT_RULES
+from workbench.server.prometheus_process import ALERT_RULES, RULES_DIR
 from workbench.viz.table import Column, Table
 
-DEPLOY = ALERT_RULES.parents[1]  # the repository's deploy/
-RULE_TESTS = ALERT_RULES.with_name("workbench_alerts_test.yml")
+DEPLOY = RULES_DIR.parent  # the repository's deploy/
+#: the promtool unit tests of each shipped rule file
+RULE_TESTS = tuple(p.with_name(p.stem + "_test.yml") for p in ALERT_RULES)
 DASHBOARD = DEPLOY / "grafana" / "workbench_dashboard.json"
 _METRIC = re.compile(r"\b((?:vllm|workbench):[a-z_]+?)(?:_bucket|_sum|_count)?\b")
 #: the series the chapter's live plot follows: (PromQL, label, subplot row)
@@ -51,19 +54,31 @@ LIVE_SERIES = (
 
 
 # ---------------------------------------------------------------- the shipped rules
-def load_rules(path: str | Path = ALERT_RULES) -> list[dict[str, Any]]:
-    """The alerting rules of a Prometheus rules file, in file order (``alert``, ``expr``, ``for``, ``labels``,
-    ``annotations``).
+def _paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
+    return [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+
+
+def load_rules(path: str | Path | Sequence[str | Path] = ALERT_RULES) -> list[dict[str, Any]]:
+    """The alerting rules of one Prometheus rules file or several (default: both shipped files, the vLLM one
+    first), in file order (``alert``, ``expr``, ``for``, ``labels``, ``annotations``, and ``file``: its file name).
 
     Raises:
         FileNotFoundError: no such file. ValueError: a file without ``groups``.
     """
     import yaml
 
-    doc = yaml.safe_load(Path(path).read_text())
-    if not isinstance(doc, dict) or "groups" not in doc:
-        raise ValueError(f"{path} has no 'groups': not a Prometheus rules file")
-    return [r for g in doc["groups"] for r in g.get("rules", []) if "alert" in r]
+    rules = []
+    for p in _paths(path):
+        doc = yaml.safe_load(p.read_text())
+        if not isinstance(doc, dict) or "groups" not in doc:
+            raise ValueError(f"{p} has no 'groups': not a Prometheus rules file")
+        rules += [r | {"file": p.name} for g in doc["groups"] for r in g.get("rules", []) if "alert" in r]
+    return rules
+
+
+def works_on(rule: dict[str, Any]) -> str:
+    """Where a rule can fire: ``"any vLLM"`` when it reads only ``vllm:`` metrics, else ``"workbench only"``."""
+    return "workbench only" if any(m.startswith("workbench:") for m in metrics_read(rule["expr"])) else "any vLLM"
 
 
 def metrics_read(expr: str) -> list[str]:
@@ -71,13 +86,16 @@ def metrics_read(expr: str) -> list[str]:
     return list(dict.fromkeys(_METRIC.findall(expr)))
 
 
-def rules_table(path: str | Path = ALERT_RULES, expr: bool = False) -> Table:
-    """Every shipped alert: the metrics it reads, how long it must hold, severity, and why (its ``description``);
+def rules_table(path: str | Path | Sequence[str | Path] = ALERT_RULES, expr: bool = False) -> Table:
+    """Every shipped alert: its file, where it works (:func:`works_on`), the metrics it reads, how long it must
+    hold, severity, and why (its ``description``);
     with ``expr=True`` its PromQL expression instead of the metrics and the why (two tables fit a laptop's
     notebook column where one would run off its side)."""
     rows = [
         {
             "alert": r["alert"],
+            "file": r["file"],
+            "works_on": works_on(r),
             "reads": ", ".join(metrics_read(r["expr"])),
             "expr": " ".join(r["expr"].split()),
             "for": r.get("for", "0s"),
@@ -89,12 +107,13 @@ def rules_table(path: str | Path = ALERT_RULES, expr: bool = False) -> Table:
     middle = (
         [Column("expr", "expression (PromQL)", align="left", prose=True)]
         if expr
-        else [Column("reads", "metric(s) it reads", align="left")]
+        else [Column("reads", "metric(s) it reads", align="left", prose=True)]
     )
     last = [] if expr else [Column("why", "why this threshold (its description)", align="left", prose=True)]
     return Table(
         [
             Column("alert", "alert", align="left"),
+            *([] if expr else [Column("works_on", "works on", align="left")]),
             *middle,
             Column("for", "for"),
             Column("severity", "severity", align="left"),
@@ -106,7 +125,7 @@ def rules_table(path: str | Path = ALERT_RULES, expr: bool = False) -> Table:
 
 def promtool(*args: str, timeout: float = 120.0) -> tuple[int, str]:
     """Run ``promtool`` (it comes with Debian's ``prometheus`` package) in the repository's root, so that paths
-    such as ``deploy/prometheus/workbench_alerts.yml`` read the same on every machine; return its exit code and
+    such as ``deploy/prometheus/vllm_alerts.yml`` read the same on every machine; return its exit code and
     output.
 
     Raises:
@@ -128,9 +147,12 @@ def _seconds(duration: str) -> float:
 
 
 def demo_rules(
-    out: str | Path, scale: float = 1 / 40, min_window_s: float = 4.0, path: str | Path = ALERT_RULES
+    out: str | Path,
+    scale: float = 1 / 40,
+    min_window_s: float = 4.0,
+    path: str | Path | Sequence[str | Path] = ALERT_RULES,
 ) -> Path:
-    """Write a copy of the shipped rules whose time windows are ``scale`` times as long — every ``for:`` and every
+    """Write one copy of the shipped rules (every group of every file in ``path``) whose time windows are ``scale`` times as long — every ``for:`` and every
     range selector (``[5m]`` -> ``[8s]`` at 1/40, never under ``min_window_s``) — so that a minutes-long condition
     shows within a notebook cell. Expressions and thresholds stay as shipped.
 
@@ -143,7 +165,7 @@ def demo_rules(
         raise ValueError(f"scale={scale!r} must be in (0, 1]: the windows' factor (1/100 turns 10m into 6s)")
     if not min_window_s > 0:
         raise ValueError(f"min_window_s={min_window_s!r} must be > 0 seconds")
-    doc = yaml.safe_load(Path(path).read_text())
+    doc = {"groups": [g for p in _paths(path) for g in yaml.safe_load(p.read_text())["groups"]]}
 
     def short(d: str) -> str:
         return f"{round(max(min_window_s, _seconds(d) * scale))}s"
@@ -190,7 +212,7 @@ class MonitoringStack:
 
     Args:
         rule_files: the rules Prometheus evaluates (e.g. :func:`demo_rules`' output).
-        actions: the receiver's ``{alertname: action}`` (default: ``WaitingQueueGrowing`` lowers admission).
+        actions: the receiver's ``{alertname: action}`` (default: ``WaitingQueueGrowing`` sheds load).
         scrape_interval: seconds between scrapes and rule evaluations.
         cooldown_s: the receiver acts on an alert name at most once per this many seconds.
         **engine_args: the server's engine arguments (e.g. ``max_num_seqs=4``).
@@ -208,7 +230,7 @@ class MonitoringStack:
         **engine_args: Any,
     ) -> None:
         self.rule_files, self.scrape_interval, self.cooldown_s = list(rule_files), scrape_interval, cooldown_s
-        self.actions = {"WaitingQueueGrowing": "lower_admission"} if actions is None else dict(actions)
+        self.actions = {"WaitingQueueGrowing": "shed_load"} if actions is None else dict(actions)
         self.engine_args = engine_args
         self.server = self.receiver = self.prometheus = None
         self._finalizer = None
@@ -392,7 +414,143 @@ def alert_outcome(
         taken = stack.receiver.actions_taken()
         lines = [f"the receiver acted {len(taken)} time(s); first: {first['alertname']} -> {first['action']}"]
     lines.append(f"max_num_seqs: configured {state['configured_max_num_seqs']}, now {state['max_num_seqs']}")
-    lines.append(f"every request completed: {result.get('completed') == load.num_prompts}")
+    lines.append(
+        f"max_num_queued_reqs: configured {state['configured_max_num_queued_reqs']}, now {state['max_num_queued_reqs']}"
+    )
+    answered = result.get("completed", 0) + result.get("failed", 0) == load.num_prompts
+    lines.append(f"every request answered (completed, or refused with 503 once shedding): {answered}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- which action helps, measured
+#: the server states an alert's action can leave (the receiver's actions, and none)
+ACTION_CHOICES = ("none", "lower_admission", "shed_load")
+
+
+def lone_ttft_ms(stack: MonitoringStack, num_prompts: int = 3) -> float:
+    """The median TTFT (ms) of the overload's requests sent one at a time (``max_concurrency=1``): what a request
+    waits on this machine now with no queue, the unit :func:`compare_actions` sizes its SLO in.
+
+    Raises:
+        RuntimeError: no request completed.
+    """
+    from workbench.bench.serve import run_bench_serve
+
+    args = OVERLOAD_REQUESTS | dict(num_prompts=num_prompts, request_rate=float("inf"), max_concurrency=1,
+                                    disable_tqdm=True, print_result=False)  # fmt: skip
+    r = run_bench_serve(base_url=stack.server.base_url, **args)
+    if not r.get("completed"):
+        raise RuntimeError(f"no request of {num_prompts} completed: is the server up? ({stack.server.base_url})")
+    return float(r["median_ttft_ms"])
+
+
+def set_action(stack: MonitoringStack, action: str) -> dict[str, Any]:
+    """Put the server in the state ``action`` leaves it in, from its configured state: ``"none"`` (as configured),
+    ``"lower_admission"`` (``max_num_seqs`` halved) or ``"shed_load"`` (requests in flight capped at
+    ``max_num_seqs``: no queue), through the same receiver methods an alert calls. Returns ``GET /admin/state`` after.
+
+    Raises:
+        ValueError: an action that is not one of :data:`ACTION_CHOICES`.
+    """
+    if action not in ACTION_CHOICES:
+        raise ValueError(f"action={action!r} must be one of {', '.join(ACTION_CHOICES)}")
+    url, rx = stack.server.base_url, stack.receiver
+    _call(url + "/admin/max_num_seqs", "POST", {"max_num_seqs": int(stack.admin_state()["configured_max_num_seqs"])})
+    _call(url + "/admin/max_num_queued_reqs", "POST", {"max_num_queued_reqs": None})
+    if action != "none":
+        getattr(rx, action)()
+    return stack.admin_state()
+
+
+def compare_actions(
+    stack: MonitoringStack,
+    capacity: float,
+    actions: Sequence[str] = ACTION_CHOICES,
+    factor: float = 3.0,
+    arrivals_s: float = 10.0,
+    slo_ttft_ms: float | None = None,
+    progress=print,
+) -> list[dict[str, Any]]:
+    """The same overload (:meth:`Overload.above`: ``factor`` times ``capacity`` for ``arrivals_s`` seconds, the
+    same seeded requests) once per action, the action in force from the start (:func:`set_action`), with the
+    receiver's own actions paused so that only the chosen one acts. One row per action: requests sent, completed
+    and refused (503), request throughput (completed/s), TTFT median and p99 of the completed ones, and goodput
+    (completed requests/s whose TTFT met ``slo_ttft_ms``; default four times :func:`lone_ttft_ms` measured first,
+    so that the SLO scales with this machine's speed and load, and each row carries it as ``slo_ttft_ms``). The
+    server is left as configured.
+
+    Raises:
+        ValueError: an unknown action, or a capacity that is not positive.
+    """
+    for a in actions:
+        if a not in ACTION_CHOICES:
+            raise ValueError(f"action={a!r} must be one of {', '.join(ACTION_CHOICES)}")
+    if slo_ttft_ms is None:
+        lone = lone_ttft_ms(stack)
+        slo_ttft_ms = 4 * lone
+        progress(f"a lone request's TTFT now: {lone:,.0f} ms; the SLO of goodput: 4 x that = {slo_ttft_ms:,.0f} ms")
+    paused, stack.receiver.actions = stack.receiver.actions, {}
+    rows = []
+    try:
+        for i, action in enumerate(actions):
+            state = set_action(stack, action)
+            load = Overload.above(stack, capacity, factor, arrivals_s, goodput=[f"ttft:{slo_ttft_ms:g}"])
+            progress(f"[{i + 1}/{len(actions)}] {action}: {load.num_prompts} requests at {load.request_rate:.2f}/s "
+                     f"(max_num_seqs {state['max_num_seqs']}, max_num_queued_reqs {state['max_num_queued_reqs']}) ...")  # fmt: skip
+            r = load.start().join()
+            rows.append({
+                "action": action,
+                "sent": load.num_prompts,
+                "completed": r["completed"],
+                "refused": r["failed"],
+                "request_throughput": r["request_throughput"],
+                "median_ttft_ms": r["median_ttft_ms"],
+                "p99_ttft_ms": r["p99_ttft_ms"],
+                "request_goodput": r["request_goodput"],
+                "slo_ttft_ms": slo_ttft_ms,
+                "duration": r["duration"],
+            })  # fmt: skip
+    finally:
+        set_action(stack, "none")
+        stack.receiver.actions = paused
+    return rows
+
+
+def _num(digits: int):
+    return lambda v: "-" if v is None else f"{v:,.{digits}f}"
+
+
+def actions_effect_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`compare_actions`' rows as a table (the goodput's header names the rows' SLO)."""
+    slo_ttft_ms = rows[0]["slo_ttft_ms"] if rows else float("nan")
+    return Table(
+        [
+            Column("action", "action in force", align="left"),
+            Column("sent", "sent"),
+            Column("completed", "completed"),
+            Column("refused", "refused (503)"),
+            Column("request_throughput", "completed req/s", fmt=_num(2)),
+            Column("median_ttft_ms", "TTFT p50 (ms)", fmt=_num(0)),
+            Column("p99_ttft_ms", "TTFT p99 (ms)", fmt=_num(0)),
+            Column("request_goodput", f"goodput (req/s, TTFT ≤ {slo_ttft_ms:,.0f} ms)", fmt=_num(2)),
+        ],
+        list(rows),
+    )
+
+
+def action_verdict(rows: Sequence[dict[str, Any]]) -> str:
+    """The verdicts a run supports, as sentences with True/False: against no action, does shedding raise the
+    goodput and lower the TTFT p99 of what it serves, and does halving ``max_num_seqs`` lower the throughput."""
+    by = {r["action"]: r for r in rows}
+    none = by["none"]
+    lines = []
+    if "shed_load" in by:
+        shed = by["shed_load"]
+        lines.append(f"shed_load raises goodput over no action: {shed['request_goodput'] > none['request_goodput']}")
+        lines.append(f"shed_load lowers the TTFT p99 of the requests it serves: {shed['p99_ttft_ms'] < none['p99_ttft_ms']}")  # fmt: skip
+    if "lower_admission" in by:
+        low = by["lower_admission"]
+        lines.append(f"lower_admission raises goodput over no action: {low['request_goodput'] > none['request_goodput']}")  # fmt: skip
     return "\n".join(lines)
 
 

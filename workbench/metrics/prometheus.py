@@ -185,6 +185,18 @@ class PrometheusSink:
         self.preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine. (Preemptions.)"
         )
+        #: vLLM's frontend admission counter (labels model_name and reason only, as vLLM's): requests refused
+        #: because --max-num-queued-reqs were already in flight; vLLM's other reason, max_num_queued_tokens,
+        #: has no limit here and stays 0
+        rejections = Counter(
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ("model_name", "reason"),
+            registry=self.registry,
+        )
+        self.admission_rejections = {
+            r: rejections.labels(self.model_name, r) for r in ("max_num_queued_reqs", "max_num_queued_tokens")
+        }
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step. (Tokens run through the model per step: prefill + decode.)",

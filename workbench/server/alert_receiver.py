@@ -10,7 +10,9 @@ It listens on loopback for the two shapes alerts arrive in:
 
 For each *firing* alert whose ``alertname`` has an action it calls the server's admin API (``workbench serve
 --enable-admin-api``): ``"compact"`` runs one KV compaction pass (``POST /admin/compact``), ``"lower_admission"``
-halves ``max_num_seqs`` (``POST /admin/max_num_seqs``, not below 1). An action runs at most once per alert name
+halves ``max_num_seqs`` (``POST /admin/max_num_seqs``, not below 1), ``"shed_load"`` caps the requests in flight
+(``POST /admin/max_num_queued_reqs``, vLLM's ``--max-num-queued-reqs``: beyond it new requests get 503 and a
+client or router retries elsewhere). An action runs at most once per alert name
 per ``cooldown_s`` (Prometheus re-sends firing alerts every minute or so). Every alert received and every action
 taken is kept in :attr:`AlertReceiver.events`::
 
@@ -31,14 +33,18 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-#: which action answers which alert of ``deploy/prometheus/workbench_alerts.yml``
+#: which action answers which shipped alert (``deploy/prometheus/vllm_alerts.yml`` and ``workbench_alerts.yml``).
+#: A growing queue is missing capacity: fewer sequences per step serve fewer requests per second and the queue
+#: grows faster (chapter 18 measures both actions on its overload), so the answer is to shed what cannot be
+#: served in time and let the router or client send it elsewhere. Preemption means the batch outgrows the KV pool:
+#: fewer sequences. Fragmentation: a compaction pass. A full pool alone (KVCacheUsageHigh) is a well-used pool and
+#: TTFT over its SLO has many causes: both page a person and act on nothing.
 DEFAULT_ACTIONS: dict[str, str] = {
     "KVFragmentationHigh": "compact",
-    "KVCacheUsageHigh": "lower_admission",
     "Preempting": "lower_admission",
-    "WaitingQueueGrowing": "lower_admission",
+    "WaitingQueueGrowing": "shed_load",
 }
-ACTIONS = ("compact", "lower_admission")
+ACTIONS = ("compact", "lower_admission", "shed_load")
 
 
 def _ends_in_past(ends_at: str | None) -> bool:
@@ -61,6 +67,10 @@ class AlertReceiver:
         port: the port to listen on (default: a free one).
         cooldown_s: seconds before the same alert name may act again.
         api_key: the server's ``--api-key``, if it has one.
+        shed_limit: the in-flight cap ``"shed_load"`` sets. vLLM sizes ``--max-num-queued-reqs`` as the batch's
+            slots plus the queue depth to keep; a request that waits behind a full batch waits a whole batch's
+            service time, past a TTFT SLO shorter than that, so the default keeps no queue: the server's
+            ``max_num_seqs`` then. With a longer SLO, add about SLO x completed requests per second.
 
     Raises:
         ValueError: an action that is not one of :data:`ACTIONS`.
@@ -73,12 +83,18 @@ class AlertReceiver:
         port: int | None = None,
         cooldown_s: float = 60.0,
         api_key: str | None = None,
+        shed_limit: int | None = None,
     ) -> None:
         self.actions = dict(DEFAULT_ACTIONS if actions is None else actions)
         bad = {k: v for k, v in self.actions.items() if v not in ACTIONS}
         if bad:
             raise ValueError(f"actions {bad}: each must be one of {', '.join(ACTIONS)}")
+        if shed_limit is not None and (
+            isinstance(shed_limit, bool) or not isinstance(shed_limit, int) or shed_limit < 0
+        ):
+            raise ValueError(f"shed_limit={shed_limit!r} must be a whole number of requests >= 0, or None")
         self.server_url, self.cooldown_s, self.api_key = server_url.rstrip("/"), cooldown_s, api_key
+        self.shed_limit = shed_limit
         self.port = port or 0
         self.events: list[dict[str, Any]] = []
         self._last: dict[str, float] = {}
@@ -145,7 +161,7 @@ class AlertReceiver:
             if due:
                 event["action"] = action
                 try:
-                    event["result"] = self.compact() if action == "compact" else self.lower_admission()
+                    event["result"] = getattr(self, action)()
                 except (OSError, ValueError) as e:
                     event["error"] = str(e)
             with self._lock:
@@ -190,6 +206,14 @@ class AlertReceiver:
         """Halve the server's ``max_num_seqs`` (not below 1); ``{"max_num_seqs": new, "previous": old}``."""
         now = self._call("GET", "/admin/state")["max_num_seqs"]
         return self._call("POST", "/admin/max_num_seqs", {"max_num_seqs": max(1, now // 2)})
+
+    def shed_load(self) -> dict:
+        """Cap the requests in flight at :attr:`shed_limit` (default ``max_num_seqs``); beyond it the server
+        answers 503. ``{"max_num_queued_reqs": new, "previous": old}``."""
+        limit = self.shed_limit
+        if limit is None:
+            limit = int(self._call("GET", "/admin/state")["max_num_seqs"])
+        return self._call("POST", "/admin/max_num_queued_reqs", {"max_num_queued_reqs": limit})
 
 
 __all__ = ["ACTIONS", "DEFAULT_ACTIONS", "AlertReceiver"]

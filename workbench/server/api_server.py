@@ -89,9 +89,13 @@ class BodyLimit:
 class OpenAIServing:
     """What the endpoints share: the engine, the served name, request checks and response shapes."""
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_name: str, sink: PrometheusSink | None = None) -> None:
         self.llm = llm
         self.name = served_model_name
+        #: ``--max-num-queued-reqs``: requests in flight beyond which a new one gets 503 (``None``: no limit);
+        #: the admin API may change it while the server runs (``POST /admin/max_num_queued_reqs``)
+        self.max_num_queued_reqs: int | None = getattr(llm.engine.config, "max_num_queued_reqs", None)
+        self.rejected = sink.admission_rejections["max_num_queued_reqs"] if sink is not None else None
         self.created = int(time.time())
         #: tokenization and chat templating run here, one at a time, never on the event loop: a long prompt
         #: takes its time without holding up /health or other streams
@@ -238,6 +242,31 @@ class OpenAIServing:
             raise APIError(str(e), 400, _field_of(str(e), req)) from None
 
     # ------------------------------------------------------------------ running requests
+    def admit(self, jobs: list[tuple]) -> None:
+        """vLLM's frontend admission: refuse ``jobs`` with 503 when the requests already in flight (waiting or
+        running, each prompt of a batch counted) plus these would exceed ``max_num_queued_reqs``. Checked after
+        every other check and before anything is queued, so a refused request leaves nothing behind."""
+        limit = self.max_num_queued_reqs
+        if limit is None:
+            return
+        current = len(self.llm.running_ids())
+        if len(jobs) > limit:
+            if self.rejected is not None:
+                self.rejected.inc()
+            raise APIError(
+                f"this request's {len(jobs)} prompts exceed max_num_queued_reqs={limit} on their own, so it can never "
+                f"be admitted: send at most {limit} prompts per request",
+                503,
+            )
+        if current + len(jobs) > limit:
+            if self.rejected is not None:
+                self.rejected.inc()
+            raise APIError(
+                f"The engine is currently busy and cannot accept new requests: {current} in flight and "
+                f"max_num_queued_reqs={limit}. Please try again later or on a different instance.",
+                503,
+            )
+
     async def run_all(self, http: Request, jobs: list[tuple]) -> list[RequestOutput] | None:
         """Run ``jobs`` (``(request_id, tokenized, SamplingParams, priority)``) to completion; abort all
         of them and return ``None`` if the client disconnects first."""
@@ -439,7 +468,7 @@ def build_app(
     (401 otherwise), as ``vllm serve --api-key``. ``GET /health`` answers 503 when the engine loop has
     stopped, or has made no progress for ``health_stall_s`` seconds (one step never takes that long).
     ``enable_admin_api`` adds the operator's actions (:func:`add_admin_routes`)."""
-    serving = OpenAIServing(llm, served_model_name)
+    serving = OpenAIServing(llm, served_model_name, sink)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -500,7 +529,7 @@ def build_app(
         return JSONResponse(APIError(str(exc), 503).body(), status_code=503)
 
     if enable_admin_api:
-        add_admin_routes(app, llm)
+        add_admin_routes(app, llm, serving)
     else:  # say why there is nothing here, rather than a bare 404
 
         @app.api_route("/admin/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
@@ -586,6 +615,7 @@ def build_app(
         ]
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         jobs = [(f"{rid}-{i}", t, sp, req.priority) for i, (t, sp) in enumerate(zip(toks, sps))]
+        serving.admit(jobs)
         n = req.n
         n_prompt = sum(len(t[0]) for t in toks)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.name}
@@ -640,6 +670,7 @@ def build_app(
         sp = serving.sampling_params(req, serving.max_tokens(len(tok[0]), limit, "messages"), logprobs, req.stream)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [(rid, tok, sp, req.priority)]
+        serving.admit(jobs)
         n_prompt = len(tok[0])
         top = req.top_logprobs or 0
         head = {"id": rid, "created": int(time.time()), "model": serving.name}
@@ -778,7 +809,7 @@ class _GracefulServer:
         return Server(config)
 
 
-def add_admin_routes(app: FastAPI, llm: AsyncLLM) -> None:
+def add_admin_routes(app: FastAPI, llm: AsyncLLM, serving: OpenAIServing | None = None) -> None:
     """The operator's actions, run on the engine thread between steps (``workbench serve --enable-admin-api``; what an
     alert's receiver calls, ``workbench.server.alert_receiver``):
 
@@ -786,7 +817,10 @@ def add_admin_routes(app: FastAPI, llm: AsyncLLM) -> None:
     * ``POST /admin/compact`` ``{"max_moves": N}`` (optional): one KV compaction pass now (``LLMEngine.compact``);
       its blocks and bytes moved, the largest free run before and after, the copies' seconds;
     * ``POST /admin/max_num_seqs`` ``{"max_num_seqs": N}``: admit at most N running requests from the next step
-      (1 .. the configured ``max_num_seqs``; running requests above N are not preempted, they finish).
+      (1 .. the configured ``max_num_seqs``; running requests above N are not preempted, they finish);
+    * ``POST /admin/max_num_queued_reqs`` ``{"max_num_queued_reqs": N}`` (or ``null``: no limit): from the next
+      request on, refuse new requests with 503 while N are in flight (``--max-num-queued-reqs``, vLLM's load-shedding
+      valve); requests already in flight are kept.
 
     Bad values answer 400 naming the value and the range; an allocator that cannot move blocks answers 400.
     vLLM has no such endpoints (its development endpoints, e.g. ``/reset_prefix_cache``, are behind
@@ -801,6 +835,8 @@ def add_admin_routes(app: FastAPI, llm: AsyncLLM) -> None:
             "compaction_passes": len(eng.defrag.passes),
             "num_requests_running": len(eng.scheduler.running),
             "num_requests_waiting": len(eng.scheduler.waiting),
+            "max_num_queued_reqs": serving.max_num_queued_reqs if serving is not None else None,
+            "configured_max_num_queued_reqs": eng.config.max_num_queued_reqs,
         }
 
     async def body_of(request: Request) -> dict:
@@ -844,6 +880,29 @@ def add_admin_routes(app: FastAPI, llm: AsyncLLM) -> None:
             return {"max_num_seqs": n, "previous": old}
 
         return await asyncio.to_thread(llm.call, apply)
+
+    @app.post("/admin/max_num_queued_reqs")
+    async def admin_max_num_queued_reqs(request: Request):
+        body = await body_of(request)
+        if serving is None:
+            raise APIError("this app has no OpenAI serving layer to limit", 400)
+        if "max_num_queued_reqs" not in body:
+            raise APIError(
+                'max_num_queued_reqs is missing: send {"max_num_queued_reqs": N} (N >= 0; 0 refuses every request) '
+                "or null for no limit",
+                400,
+                "max_num_queued_reqs",
+            )
+        n = body["max_num_queued_reqs"]
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise APIError(
+                f"max_num_queued_reqs={n!r} must be a whole number >= 0 (requests in flight), or null for no limit",
+                400,
+                "max_num_queued_reqs",
+            )
+        old, serving.max_num_queued_reqs = serving.max_num_queued_reqs, n
+        log.warning("admin: max_num_queued_reqs %s -> %s", old, n)
+        return {"max_num_queued_reqs": n, "previous": old}
 
 
 def run_server(

@@ -2,7 +2,7 @@
 
 It runs the distribution's ``prometheus`` binary (Debian: ``apt-get install prometheus``, which brings ``promtool``;
 another binary with ``WORKBENCH_PROMETHEUS=/path/to/prometheus``), with the alert rules shipped in
-``deploy/prometheus/`` unless told otherwise, and reads series back through Prometheus' HTTP API
+``deploy/prometheus/`` (both files) unless told otherwise, and reads series back through Prometheus' HTTP API
 (``/api/v1/query``, ``/api/v1/query_range``, ``/api/v1/alerts``; https://prometheus.io/docs/prometheus/latest/querying/api/)::
 
     from workbench.server.launcher import ServerProcess
@@ -29,8 +29,14 @@ from typing import Any
 
 from workbench.server.launcher import free_port
 
-#: the alert rules shipped with the repository
-ALERT_RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "workbench_alerts.yml"
+#: the folder of the shipped Prometheus config, alert rules and their promtool tests
+RULES_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
+#: alert rules on metrics any vLLM server exports (``vllm:`` families only)
+VLLM_ALERT_RULES = RULES_DIR / "vllm_alerts.yml"
+#: alert rules that need workbench's extra metrics (``workbench:`` families), which vLLM does not export
+WORKBENCH_ALERT_RULES = RULES_DIR / "workbench_alerts.yml"
+#: every shipped rule file, the vLLM ones first
+ALERT_RULES = (VLLM_ALERT_RULES, WORKBENCH_ALERT_RULES)
 
 
 def prometheus_binary() -> str:
@@ -70,7 +76,7 @@ class PrometheusProcess:
     def __init__(
         self,
         targets: Sequence[str],
-        rule_files: Sequence[str | Path] = (ALERT_RULES,),
+        rule_files: Sequence[str | Path] = ALERT_RULES,
         scrape_interval: float = 1.0,
         port: int | None = None,
         startup_timeout: float = 60.0,
