@@ -220,3 +220,16 @@ def test_sim_panels_run_and_name_bad_values():
         with pytest.raises(ValueError, match=rf"nccl_buffsize_mib={bad!r} must be a whole number of MiB"):
             b.run(nccl_buffsize_mib=bad)
         assert b.controls["nccl_buffsize_mib"].value == 16  # the slider shows the last run's value
+
+
+def test_the_claimed_communication_share_against_the_model():
+    """Per rank, NCCL's buffers plus vLLM's custom all-reduce over one GPU's memory: the defaults hold about 42 MiB
+    (0.05% of 80 GiB) at every group size, and no configuration of the chapter reaches the claimed 15%."""
+    rows = ncb.comm_share_rows(gpus=("H100-80GB",), sizes=(2, 8))
+    default = [r for r in rows if r["config"].startswith("default")]
+    assert {round((r["nccl_bytes"] + r["custom_all_reduce_bytes"]) / 2**20, 2) for r in default} == {42.38}
+    assert max(r["share"] for r in rows) < ncb.CLAIMED_COMM_SHARE / 2
+    verdict = ncb.comm_share_verdict(rows).splitlines()
+    assert verdict[0] == "default buffers: 0.052% to 0.052% of a GPU's memory per rank"
+    assert verdict[-1].startswith("claimed: about 15%: not supported")
+    assert "share of the GPU" in ncb.comm_share_table(rows).to_html()

@@ -84,6 +84,128 @@ def fig2_table(rows: Sequence[dict[str, Any]]) -> Table:
 
 
 # ---------------------------------------------------------------- exercises
+#: the figures the course's outline quoted for pre-paged serving systems, as (low, high) ranges
+CLAIMS = {
+    "fragmentation_rate": (0.15, 0.40),  # share of occupied KV memory without token state
+    "throughput_loss": (0.20, 0.50),  # requests/s lost against a paged pool
+    "ttft_p99_ratio": (2.0, 5.0),  # TTFT p99 against a paged pool ("TTFT jitter")
+}
+#: the outline's target for a tuned deployment: fragmentation below 5% and throughput up 30% against the baseline
+TARGET = {"fragmentation_rate_below": 0.05, "throughput_gain_at_least": 0.30}
+
+
+def gpu_scale_rows(
+    allocators: Sequence[str] = ("paged", "orca-oracle", "orca-pow2", "orca-max"),
+    rate: float = 16.0,
+    duration_s: float = 120.0,
+    model: str = "llama-2-7b",
+    gpu: str = "A100-80GB",
+    progress: Callable[[str], Any] | None = None,
+    **engine_args: Any,
+) -> list[dict[str, Any]]:
+    """The same ShareGPT-like Poisson trace (``rate`` requests/s for ``duration_s`` simulated seconds, seed 0)
+    through each allocator on ``model`` on one ``gpu`` in the simulator (the real scheduler and KV managers, a cost
+    model for time; the pool from ``gpu_memory_utilization`` 0.9; ``max_model_len`` 4096, ``max_num_seqs`` 256):
+    the run's summary keys ``fragmentation_rate_mean_frac``, ``request_throughput_req_s``, ``ttft_p50_s``,
+    ``ttft_p99_s``, plus ``allocator``. Deterministic."""
+    from workbench.catalog import MODELS
+    from workbench.sim import SimSpec, find_hardware, make_trace
+    from workbench.sim.run import simulate_job
+
+    spec = SimSpec(MODELS[model], find_hardware(gpu))
+    trace = make_trace(rate, duration_s, "sharegpt", "poisson", 0)
+    args = {"max_model_len": 4096, "max_num_seqs": 256} | engine_args
+    rows = []
+    for i, a in enumerate(allocators):
+        if progress:
+            progress(f"[{i + 1}/{len(allocators)}] {a} ...")
+        s = simulate_job(spec, trace, output_dir=None, record_itl=False, kv_allocator=a, **args).summary
+        keys = ("fragmentation_rate_mean_frac", "request_throughput_req_s", "ttft_p50_s", "ttft_p99_s")
+        rows.append({"allocator": a} | {k: s[k] for k in keys})
+    return rows
+
+
+def gpu_scale_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`gpu_scale_rows` as a table, each contiguous row also against the paged one."""
+    paged = next(r for r in rows if r["allocator"] == "paged")
+    shown = [
+        r | {"loss": 1 - r["request_throughput_req_s"] / paged["request_throughput_req_s"],
+             "p99_ratio": r["ttft_p99_s"] / paged["ttft_p99_s"]}
+        for r in rows
+    ]  # fmt: skip
+    return Table(
+        [
+            Column("allocator", "allocator", align="left"),
+            Column("fragmentation_rate_mean_frac", "fragmentation rate (mean)", lambda v: f"{100 * v:.1f}%"),
+            Column("request_throughput_req_s", "req/s", lambda v: f"{v:.2f}"),
+            Column("loss", "throughput lost vs paged", lambda v: f"{100 * v:.0f}%"),
+            Column("ttft_p50_s", "TTFT p50 (ms)", lambda v: f"{1000 * v:,.0f}"),
+            Column("ttft_p99_s", "TTFT p99 (ms)", lambda v: f"{1000 * v:,.0f}"),
+            Column("p99_ratio", "TTFT p99 vs paged", lambda v: f"{v:.1f}x"),
+        ],
+        shown,
+    )
+
+
+def _where(v: float, lo: float, hi: float) -> str:
+    return "inside" if lo <= v <= hi else ("below" if v < lo else "above")
+
+
+def claims_verdict(rows: Sequence[dict[str, Any]]) -> str:
+    """The outline's figures for pre-paged systems (:data:`CLAIMS`) against :func:`gpu_scale_rows`: for the
+    contiguous allocators, the range of each figure measured and where it falls against the claimed range."""
+    paged = next(r for r in rows if r["allocator"] == "paged")
+    cont = [r for r in rows if r["allocator"] != "paged"]
+    figures = {
+        "fragmentation_rate": [r["fragmentation_rate_mean_frac"] for r in cont],
+        "throughput_loss": [1 - r["request_throughput_req_s"] / paged["request_throughput_req_s"] for r in cont],
+        "ttft_p99_ratio": [r["ttft_p99_s"] / paged["ttft_p99_s"] for r in cont],
+    }
+    lines = [f"paged: fragmentation rate {100 * paged['fragmentation_rate_mean_frac']:.1f}%"]
+    for name, vals in figures.items():
+        lo, hi = CLAIMS[name]
+        pct = name != "ttft_p99_ratio"
+        fmt = (lambda v: f"{100 * v:.0f}%") if pct else (lambda v: f"{v:.1f}x")
+        places = sorted({_where(v, lo, hi) for v in vals})
+        lines.append(f"{name.replace('_', ' ')}: {fmt(min(vals))} to {fmt(max(vals))} (claimed {fmt(lo)} to "
+                     f"{fmt(hi)}): {', '.join(places)} the claimed range")  # fmt: skip
+    return "\n".join(lines)
+
+
+def target_verdict(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The outline's target (:data:`TARGET`) as a before/after check of the three core figures of two runs'
+    summaries — ``workbench run``'s ``summary.json`` (requests/s = ``requests_finished / wall_time_s``),
+    ``workbench simulate``'s, or :func:`gpu_scale_rows` rows (``request_throughput_req_s``), each with ``ttft_p50_s``
+    and ``fragmentation_rate_mean_frac``: requests/s gained, TTFT p50
+    before and after, the fragmentation rate after; and whether each part of the target is met.
+
+    Raises:
+        KeyError: a summary without those keys (name the missing key).
+    """
+
+    def req_s(d: dict[str, Any]) -> float:  # workbench run's summary has the finished requests and the wall time
+        if "request_throughput_req_s" in d:
+            return d["request_throughput_req_s"]
+        return d["requests_finished"] / d["wall_time_s"]
+
+    for name, d in (("before", before), ("after", after)):
+        need = ["ttft_p50_s", "fragmentation_rate_mean_frac"]
+        need += [] if "request_throughput_req_s" in d else ["requests_finished", "wall_time_s"]
+        for k in need:
+            if k not in d:
+                raise KeyError(f"{name} has no {k!r}: give a run's summary (workbench run / simulate summary.json)")
+    gain = req_s(after) / req_s(before) - 1
+    frag = after["fragmentation_rate_mean_frac"]
+    t0, t1 = 1000 * before["ttft_p50_s"], 1000 * after["ttft_p50_s"]
+    ok_frag, ok_gain = frag < TARGET["fragmentation_rate_below"], gain >= TARGET["throughput_gain_at_least"]
+    return "\n".join([
+        f"requests/s: {gain:+.0%} (target at least +{TARGET['throughput_gain_at_least']:.0%}): {'met' if ok_gain else 'not met'}",
+        f"fragmentation rate after: {100 * frag:.1f}% (target below {100 * TARGET['fragmentation_rate_below']:.0f}%): "
+        f"{'met' if ok_frag else 'not met'}",
+        f"TTFT p50: {t0:,.0f} ms before, {t1:,.0f} ms after",
+    ])  # fmt: skip
+
+
 def reference_fragmentation_rate(step: dict) -> float:
     """(reservation + internal + external) / (pool − free), 0 when nothing is occupied (docs/architecture.md §3)."""
     used = step["num_blocks"] * step["block_size"] - step["free"]

@@ -22,7 +22,6 @@ import plotly.graph_objects as go
 from workbench.labs.exercise_registry import _number, _register
 from workbench.labs.multigpu_common import (
     MiB,
-    _own_link,
     _Panel,
     long_trace,
     sim_budget,
@@ -130,6 +129,64 @@ def buffer_table(rows: Sequence[dict[str, Any]]) -> Table:
         ],
         rows,
     )
+
+
+#: the share of a GPU's memory the course's outline said communication buffers take on 2- to 8-GPU layouts
+CLAIMED_COMM_SHARE = 0.15
+
+
+def comm_share_rows(
+    gpus: Sequence[str] = ("H100-80GB",),
+    sizes: Sequence[int] = (2, 8),
+    configs: dict[str, dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Per rank, what communication holds on each GPU and group size: NCCL's buffers (:func:`buffer_estimate`,
+    each configuration of ``configs``, default :data:`BUFFER_CONFIGS`) plus vLLM's custom all-reduce
+    (:func:`workbench.comm.custom_all_reduce_bytes`, NVLink-connected), and their share of the GPU's memory."""
+    from workbench.catalog import GPUS
+    from workbench.comm import custom_all_reduce_bytes
+
+    rows = []
+    for gpu in gpus:
+        cap = GPUS[gpu].memory_bytes
+        for n in sizes:
+            car = custom_all_reduce_bytes(n).per_rank_bytes
+            for name, cfg in (configs or BUFFER_CONFIGS).items():
+                nccl = buffer_estimate(n, **cfg).per_rank_bytes
+                rows.append({
+                    "gpu": gpu, "tensor_parallel_size": n, "config": name, "nccl_bytes": nccl,
+                    "custom_all_reduce_bytes": car, "share": (nccl + car) / cap,
+                })  # fmt: skip
+    return rows
+
+
+def comm_share_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`comm_share_rows` as a table."""
+    return Table(
+        [
+            Column("gpu", "GPU", align="left"),
+            Column("tensor_parallel_size", "TP"),
+            Column("config", "NCCL buffers", align="left"),
+            Column("nccl_bytes", "NCCL per rank (MiB)", _mib2),
+            Column("custom_all_reduce_bytes", "custom all-reduce (MiB)", _mib2),
+            Column("share", "share of the GPU", lambda v: f"{100 * v:.3f}%"),
+        ],
+        list(rows),
+    )
+
+
+def comm_share_verdict(rows: Sequence[dict[str, Any]], claimed: float = CLAIMED_COMM_SHARE) -> str:
+    """The claim against :func:`comm_share_rows`: the largest and the default configuration's shares, and how far
+    each is from ``claimed``."""
+    top = max(rows, key=lambda r: r["share"])
+    default = [r for r in rows if r["config"].startswith("default")]
+    lo, hi = min(r["share"] for r in default), max(r["share"] for r in default)
+    return "\n".join([
+        f"default buffers: {100 * lo:.3f}% to {100 * hi:.3f}% of a GPU's memory per rank",
+        f"largest: {100 * top['share']:.2f}% ({top['config']}, TP{top['tensor_parallel_size']} on {top['gpu']})",
+        f"claimed: about {100 * claimed:.0f}%: "
+        + ("holds" if top["share"] >= claimed / 2 else f"not supported, {claimed / top['share']:.0f}x the largest modelled share"),
+    ])  # fmt: skip
 
 
 def buffer_figure(

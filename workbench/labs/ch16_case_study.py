@@ -544,6 +544,109 @@ def hypothesis_table(rows: Sequence[dict[str, Any]]) -> Table:
     )
 
 
+# ---------------------------------------------------------------- the healthy baseline
+#: what the replay assumes, varied one at a time, to find what reproduces the report's healthy state (12 req/s
+#: served at a 180 ms TTFT): label -> :func:`replay` keyword arguments
+BASELINE_VARIANTS: dict[str, dict[str, Any]] = {
+    "as replayed (ShareGPT-like outputs)": {},
+    "max_num_batched_tokens 16384": {"max_num_batched_tokens": 16384},
+    "prefix caching on": {"enable_prefix_caching": True},
+    "max_num_seqs 512": {"max_num_seqs": 512},
+    "gpu_memory_utilization 0.95": {"gpu_memory_utilization": 0.95},
+    "outputs 0.9x as long": {"output_scale": 0.9},
+    "outputs 0.8x as long": {"output_scale": 0.8},
+    "outputs 0.7x as long": {"output_scale": 0.7},
+}
+
+
+def baseline_rows(
+    rate: float = CASE["throughput_before_req_s"],
+    duration_s: float = 300.0,
+    variants: dict[str, dict[str, Any]] | None = None,
+    progress=None,
+) -> list[dict[str, Any]]:
+    """Each of ``variants`` (default :data:`BASELINE_VARIANTS`) replayed at the report's healthy ``rate``: the
+    completions per second while requests arrive (:func:`capacity_req_s`), TTFT p50 / p99 (ms), mean output tokens
+    per request, and ``reproduces``: whether the replay matches the report's healthy state — completions within 5% of
+    ``rate`` and TTFT p50 within half again of the report's 180 ms either way (90..270 ms). Deterministic."""
+    rows = []
+    for i, (label, kw) in enumerate((variants or BASELINE_VARIANTS).items()):
+        if progress:
+            progress(f"[{i + 1}/{len(variants or BASELINE_VARIANTS)}] {label} ...")
+        r = replay(rate, duration_s, label=label, **kw)
+        s, cap = r.summary, capacity_req_s(r)
+        ttft = 1000 * s["ttft_p50_s"]
+        target = CASE["ttft_before_ms"]
+        rows.append({
+            "assumption": label,
+            "capacity_req_s": cap,
+            "ttft_p50_ms": ttft,
+            "ttft_p99_ms": 1000 * s["ttft_p99_s"],
+            "output_tokens_mean": s["output_tokens_total"] / max(1, s["requests_finished"]),
+            "reproduces": cap >= 0.95 * rate and target / 2 <= ttft <= target * 1.5,
+        })  # fmt: skip
+    return rows
+
+
+def baseline_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`baseline_rows` as a table."""
+    return Table(
+        [
+            Column("assumption", "assumption", align="left"),
+            Column("output_tokens_mean", "output tokens (mean)", lambda v: f"{v:,.0f}"),
+            Column("capacity_req_s", "completed req/s at 12 offered", lambda v: f"{v:.2f}"),
+            Column("ttft_p50_ms", "TTFT p50 (ms)", _ms_value),
+            Column("ttft_p99_ms", "TTFT p99 (ms)", _ms_value),
+            Column("reproduces", "12 req/s at ~180 ms?", lambda v: "yes" if v else "no"),
+        ],
+        list(rows),
+    )
+
+
+def _ms_value(v: float) -> str:
+    return f"{v:,.0f}"
+
+
+#: the memory share the deployment gives the engine, and the values the course's advice proposed
+GMU_VALUES = (0.6, 0.7, 0.9)
+
+
+def gmu_rows(rate: float = CASE["throughput_before_req_s"], duration_s: float = 300.0, values=GMU_VALUES,
+             **engine_args: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """The case at ``rate`` with each ``gpu_memory_utilization`` of ``values``: the KV pool per GPU (GiB, blocks),
+    its peak share in use, preemptions, completions per second and TTFT p50 (ms). Deterministic."""
+    rows = []
+    for v in values:
+        r = replay(rate, duration_s, label=f"gpu_memory_utilization {v:g}", gpu_memory_utilization=v, **engine_args)
+        s = r.summary
+        rows.append({
+            "gpu_memory_utilization": v,
+            "kv_pool_gib": r.memory["kv_pool_bytes"] / GiB,
+            "num_blocks": r.memory["num_blocks"],
+            "peak_kv_used": r.extra["blocks_used_peak"] / r.memory["num_blocks"],
+            "preemptions": s["preemptions_total"],
+            "capacity_req_s": capacity_req_s(r),
+            "ttft_p50_ms": 1000 * s["ttft_p50_s"],
+        })  # fmt: skip
+    return rows
+
+
+def gmu_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`gmu_rows` as a table."""
+    return Table(
+        [
+            Column("gpu_memory_utilization", "gpu_memory_utilization", lambda v: f"{v:g}"),
+            Column("kv_pool_gib", "KV pool per GPU (GiB)", lambda v: f"{v:.1f}"),
+            Column("num_blocks", "KV blocks", lambda v: f"{v:,}"),
+            Column("peak_kv_used", "peak KV in use", lambda v: f"{100 * v:.0f}%"),
+            Column("preemptions", "preemptions", lambda v: f"{v:,}"),
+            Column("capacity_req_s", "completed req/s", lambda v: f"{v:.2f}"),
+            Column("ttft_p50_ms", "TTFT p50 (ms)", _ms_value),
+        ],
+        list(rows),
+    )
+
+
 # ---------------------------------------------------------------- the panel
 class CaseStudyPanel(_Panel):
     """Replay the case with your own settings: ``rate`` (req/s), ``max_num_seqs``, ``gpu_memory_utilization``,
