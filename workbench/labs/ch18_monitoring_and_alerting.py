@@ -329,16 +329,25 @@ def measure_capacity(stack: MonitoringStack, num_prompts: int | None = None, **b
     Raises:
         RuntimeError: no request completed.
     """
+    n = num_prompts or 2 * int(stack.admin_state()["max_num_seqs"])
+    return float(_probe(stack, num_prompts=n, **bench_args)["request_throughput"])
+
+
+def _probe(stack: MonitoringStack, **bench_args: Any) -> dict[str, Any]:
+    """``workbench bench serve`` with the overload's requests, sent at once, against the stack's server; its result.
+
+    Raises:
+        RuntimeError: no request completed.
+    """
     from workbench.bench.serve import run_bench_serve
 
-    n = num_prompts or 2 * int(stack.admin_state()["max_num_seqs"])
-    args = OVERLOAD_REQUESTS | dict(num_prompts=n, request_rate=float("inf"), disable_tqdm=True, print_result=False)
-    result = run_bench_serve(base_url=stack.server.base_url, **(args | bench_args))
+    args = OVERLOAD_REQUESTS | dict(request_rate=float("inf"), disable_tqdm=True, print_result=False) | bench_args
+    result = run_bench_serve(base_url=stack.server.base_url, **args)
     if not result.get("completed"):
         raise RuntimeError(
-            f"the capacity probe completed no request of {n}: is the server up? ({stack.server.base_url})"
+            f"a probe completed no request of {args['num_prompts']}: is the server up? ({stack.server.base_url})"
         )
-    return float(result["request_throughput"])
+    return result
 
 
 class Overload:
@@ -434,14 +443,7 @@ def lone_ttft_ms(stack: MonitoringStack, num_prompts: int = 3) -> float:
     Raises:
         RuntimeError: no request completed.
     """
-    from workbench.bench.serve import run_bench_serve
-
-    args = OVERLOAD_REQUESTS | dict(num_prompts=num_prompts, request_rate=float("inf"), max_concurrency=1,
-                                    disable_tqdm=True, print_result=False)  # fmt: skip
-    r = run_bench_serve(base_url=stack.server.base_url, **args)
-    if not r.get("completed"):
-        raise RuntimeError(f"no request of {num_prompts} completed: is the server up? ({stack.server.base_url})")
-    return float(r["median_ttft_ms"])
+    return float(_probe(stack, num_prompts=num_prompts, max_concurrency=1)["median_ttft_ms"])
 
 
 def set_action(stack: MonitoringStack, action: str) -> dict[str, Any]:

@@ -250,22 +250,17 @@ class OpenAIServing:
         if limit is None:
             return
         current = len(self.llm.running_ids())
+        if current + len(jobs) <= limit:
+            return
+        if self.rejected is not None:
+            self.rejected.inc()
         if len(jobs) > limit:
-            if self.rejected is not None:
-                self.rejected.inc()
-            raise APIError(
-                f"this request's {len(jobs)} prompts exceed max_num_queued_reqs={limit} on their own, so it can never "
-                f"be admitted: send at most {limit} prompts per request",
-                503,
-            )
-        if current + len(jobs) > limit:
-            if self.rejected is not None:
-                self.rejected.inc()
-            raise APIError(
-                f"The engine is currently busy and cannot accept new requests: {current} in flight and "
-                f"max_num_queued_reqs={limit}. Please try again later or on a different instance.",
-                503,
-            )
+            msg = (f"this request's {len(jobs)} prompts exceed max_num_queued_reqs={limit} on their own, so it can "
+                   f"never be admitted: send at most {limit} prompts per request")  # fmt: skip
+        else:
+            msg = (f"The engine is currently busy and cannot accept new requests: {current} in flight and "
+                   f"max_num_queued_reqs={limit}. Please try again later or on a different instance.")  # fmt: skip
+        raise APIError(msg, 503)
 
     async def run_all(self, http: Request, jobs: list[tuple]) -> list[RequestOutput] | None:
         """Run ``jobs`` (``(request_id, tokenized, SamplingParams, priority)``) to completion; abort all
