@@ -558,7 +558,7 @@ def step_bench_serve(ctx: Context) -> None:
     rdir = ctx.out / "bench_serve"
     for run in bench_serve_runs(ctx):
         tool = f"workbench bench serve: {run['what']}"
-        tail = argv("--save-result --result-dir {rdir} --disable-tqdm", rdir=rdir)
+        tail = argv("--save-result --save-detailed --result-dir {rdir} --disable-tqdm", rdir=rdir)
         cmd = [*ctx.wb, "bench", "serve", "--base-url", ctx.url, *run["flags"], *tail]
         if not run.get("default_filename"):
             cmd += ["--result-filename", run["name"] + ".json"]

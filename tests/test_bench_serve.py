@@ -13,6 +13,7 @@ import math
 import socket
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -133,10 +134,16 @@ def test_metrics_with_no_successful_request_are_none_not_zero():
     assert m["mean_ttft_ms"] is None and m["p99_tpot_ms"] is None
 
 
-def test_max_concurrent_requests_is_the_peak_overlap_of_requests():
+def test_peaks_count_in_one_second_buckets_as_vllm():
+    # vLLM: a request counts in every whole-second bucket from its send's to its end's; a token in the
+    # bucket its chunk arrived in
     recs = [_rec(0.1, 1.0, 2, start=0.0), _rec(0.1, 1.0, 2, start=0.5), _rec(0.1, 1.0, 2, start=1.0)]
     m = bs.calculate_metrics(recs, 2.0, ["ttft"], [99], None)
-    assert m["max_concurrent_requests"] == 2  # [0,1) and [0.5,1.5) overlap; [1,2) starts when the first ends
+    assert m["max_concurrent_requests"] == 3  # all three are active during second 1
+    # tokens at 0.1, 1.0 | 0.6, 1.5 | 1.1, 2.0: buckets 0: 2, 1: 3, 2: 1
+    assert m["max_output_tokens_per_s"] == 3.0
+    assert m["rtfx"] == 0.0 and m["queue_times"] == [0.0, 0.0, 0.0]
+    assert m["latencies"] == [1.0, 1.0, 1.0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +205,7 @@ class FakeServer:
         self.in_flight = 0
         self.peak = 0
         self.bodies: list[dict] = []
+        self.headers: list[dict] = []
         app = FastAPI()
 
         @app.get("/v1/models")
@@ -205,7 +213,7 @@ class FakeServer:
             return {"object": "list", "data": [{"id": "fake-model", "object": "model", "root": "fake-model"}]}
 
         async def stream(body: dict, chat: bool):
-            n = int(body.get("max_tokens") or 16)
+            n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
             try:
@@ -230,6 +238,7 @@ class FakeServer:
         async def handle(request: Request, chat: bool):
             body = await request.json()
             self.bodies.append(body)
+            self.headers.append(dict(request.headers))
             if "FAIL" in json.dumps(body.get("messages") if chat else body.get("prompt")):
                 return JSONResponse({"error": {"message": "bad prompt", "type": "BadRequestError"}}, status_code=400)
             return StreamingResponse(stream(body, chat), media_type="text/event-stream")
@@ -276,6 +285,7 @@ def test_client_measures_streams_and_counts_failures():
             disable_tqdm=True,
             print_result=False,
             percentile_metrics="ttft,tpot,itl,e2el",
+            save_detailed=True,
         )
     assert res["model_id"] == "fake-model"  # asked GET /v1/models
     assert res["backend"] == "openai"
@@ -284,14 +294,18 @@ def test_client_measures_streams_and_counts_failures():
     assert "engine died" in res["errors"][4]
     assert res["output_lens"] == [5, 0, 5, 5, 0, 5]
     assert res["generated_texts"][0] == "t " * 5
-    assert all(len(res["itls"][i]) == 4 for i in (0, 2, 3, 5))
+    # vLLM's rule: every chunk with choices times a token, the closing finish_reason chunk too
+    assert all(len(res["itls"][i]) == 5 for i in (0, 2, 3, 5))
     # each chunk is about 10 ms apart
     assert 5 <= res["median_itl_ms"] < 200
     assert res["mean_ttft_ms"] >= 5 and res["mean_e2el_ms"] >= res["mean_ttft_ms"]
     assert res["mean_tpot_ms"] == pytest.approx(res["mean_itl_ms"], rel=0.5)
     body = srv.bodies[0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-    assert body["max_tokens"] == 5 and body["temperature"] == 0.0 and body["model"] == "fake-model"
+    assert body["max_tokens"] == 5 and body["model"] == "fake-model"
+    # as vLLM's client: no temperature unless asked, repetition_penalty 1 and logprobs null on completions
+    assert "temperature" not in body and body["repetition_penalty"] == 1.0 and body["logprobs"] is None
+    assert "ignore_eos" not in body
 
 
 def test_client_without_usage_counts_chunks_and_speaks_chat():
@@ -304,12 +318,14 @@ def test_client_without_usage_counts_chunks_and_speaks_chat():
             ignore_eos=True,
             disable_tqdm=True,
             print_result=False,
+            save_detailed=True,
         )
     assert res["backend"] == "openai-chat" and res["completed"] == 3
     assert res["output_lens"] == [4, 4, 4]
     # sent all at once: they reach the server in any order
     assert sorted(b["messages"][0]["content"] for b in srv.bodies) == [f"prompt {i} ok" for i in range(3)]
     assert all(b["messages"][0]["role"] == "user" and b["ignore_eos"] is True for b in srv.bodies)
+    assert all(b["max_completion_tokens"] == 4 and "max_tokens" not in b for b in srv.bodies)  # vLLM's chat body
 
 
 def test_max_concurrency_is_respected():
@@ -322,7 +338,7 @@ def test_max_concurrency_is_respected():
             print_result=False,
         )
     assert res["completed"] == 12
-    assert srv.peak <= 3 and res["max_concurrent_requests"] <= 3
+    assert srv.peak <= 3
     assert res["max_concurrency"] == 3
 
 
@@ -340,6 +356,36 @@ def test_request_rate_spaces_the_requests():
     assert res["duration"] >= 0.4 and res["request_rate"] == 10.0
 
 
+#: the keys of vLLM 0.32's ``bench serve`` result (vllm/benchmarks/serve.py: ``main_async``'s setup keys, then
+#: ``benchmark``'s result, then ``process_one_metric`` per metric) with its default metrics (ttft, tpot, itl),
+#: percentiles (99) and no goodput, metadata, ramp-up or probe; the lists ``main_async`` deletes without
+#: ``--save-detailed``
+VLLM_RESULT_KEYS = (
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput", "latencies",
+    "queue_times", "max_output_tokens_per_s", "max_concurrent_requests", "rtfx",
+    "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "std_tpot_ms",
+    "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "std_itl_ms", "p99_itl_ms",
+)  # fmt: skip
+VLLM_DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts", "errors")
+
+
+def test_result_keys_are_vllms_with_and_without_save_detailed(capsys):
+    with FakeServer() as srv:
+        plain = bs.run_bench_serve(base_url=srv.base_url, samples=_samples(4, output_len=3), disable_tqdm=True)
+        detailed = bs.run_bench_serve(
+            base_url=srv.base_url, samples=_samples(4, output_len=3), disable_tqdm=True, save_detailed=True
+        )
+    assert set(plain) == set(VLLM_RESULT_KEYS)
+    assert set(detailed) == set(VLLM_RESULT_KEYS) | set(VLLM_DETAILED_KEYS)
+    assert list(plain)[:10] == list(VLLM_RESULT_KEYS)[:10]  # vLLM's order, setup first
+    assert plain["endpoint_type"] == plain["backend"] == "openai" and plain["label"] is None
+    assert plain["rtfx"] == 0.0 and len(plain["latencies"]) == len(plain["queue_times"]) == 4
+    out = capsys.readouterr().out
+    assert "Peak output token throughput (tok/s):" in out and "Peak concurrent requests:" in out
+
+
 def test_result_keys_and_console_block(capsys):
     with FakeServer() as srv:
         res = bs.run_bench_serve(
@@ -350,13 +396,6 @@ def test_result_keys_and_console_block(capsys):
             disable_tqdm=True,
         )
     out = capsys.readouterr().out
-    for key in (
-        "date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness",
-        "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
-        "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-        "max_concurrent_requests", "input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors",
-    ):  # fmt: skip
-        assert key in res, key
     for metric in ("ttft", "tpot", "itl"):
         for stat in ("mean", "median", "std", "p50", "p99"):
             assert f"{stat}_{metric}_ms" in res
@@ -483,7 +522,8 @@ def test_cli_bench_serve_saves_the_result(tmp_path):
                 "bench", "serve", "--base-url", srv.base_url, "--dataset-name", "random", "--random-input-len", "16",
                 "--random-output-len", "4", "--num-prompts", "5", "--request-rate", "inf", "--max-concurrency", "2",
                 "--goodput", "ttft:5000", "tpot:1000", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "90,99",
-                "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json", "--disable-tqdm",
+                "--save-result", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+                "--disable-tqdm",
             ],
             catch_exceptions=False,
         )  # fmt: skip
@@ -504,13 +544,148 @@ def test_cli_bad_flag_is_a_clear_error():
     assert res.exit_code != 0 and "itl" in res.output
 
 
+#: every ``vllm bench serve`` flag this client accepts, with a value (what vLLM 0.32 would take)
+ALL_FLAGS = [
+    "--backend", "openai", "--label", "mylabel", "--model", "fake-model", "--served-model-name", "fake-model",
+    "--tokenizer-mode", "hf", "--trust-remote-code", "--dataset-name", "random", "--num-prompts", "6",
+    "--input-len", "16", "--output-len", "3", "--random-input-len", "99", "--random-output-len", "99",
+    "--random-range-ratio", '{"input": 0.1, "output": 0.0}', "--random-prefix-len", "4",
+    "--request-rate", "inf", "--burstiness", "1.0", "--max-concurrency", "4", "--num-warmups", "2",
+    "--ready-check-timeout-sec", "5", "--probe-request-rate", "50", "--goodput", "ttft:5000", "tpot:1000",
+    "--percentile-metrics", "ttft,tpot,itl,e2el,client_queue_time,e2el_including_client_queue",
+    "--metric-percentiles", "50,99", "--seed", "1", "--ignore-eos", "--logprobs", "1", "--temperature", "0",
+    "--top-p", "0.9", "--top-k", "5", "--min-p", "0.01", "--frequency-penalty", "0.1", "--presence-penalty", "0.2",
+    "--repetition-penalty", "1.1", "--extra-body", '{"min_tokens": 1}', "--header", "x-a=1", "x-b=2",
+    "--request-id-prefix", "run7-", "--insecure", "--metadata", "version=0.3.3", "tp=1", "--save-result",
+    "--save-detailed", "--disable-tqdm", "--sharegpt-output-len", "5", "--disable-shuffle", "--no-oversample",
+]  # fmt: skip
+
+
+def test_cli_takes_every_applicable_vllm_flag(tmp_path):
+    from workbench.cli.main import main
+
+    with FakeServer(delay_s=0.001) as srv:
+        args = ["bench", "serve", "--base-url", srv.base_url, *ALL_FLAGS, "--result-dir", str(tmp_path)]
+        res = CliRunner().invoke(main, args, catch_exceptions=False)
+        res2 = CliRunner().invoke(main, [*args, "--append-result", "--result-filename", "a.json"])
+        res3 = CliRunner().invoke(main, [*args, "--append-result", "--result-filename", "a.json"])
+    assert res.exit_code == 0, res.output
+    assert res2.exit_code == 0 and res3.exit_code == 0, res2.output + res3.output
+    (saved_path,) = [p for p in tmp_path.glob("mylabel-infqps-concurrency4-fake-model-*.json")]  # vLLM's name
+    saved = json.loads(saved_path.read_text())
+    keys = set(VLLM_RESULT_KEYS) | set(VLLM_DETAILED_KEYS) | {"version", "tp"}
+    for m in ("e2el", "client_queue_time", "e2el_including_client_queue"):
+        keys |= {f"mean_{m}_ms", f"median_{m}_ms", f"std_{m}_ms", f"p99_{m}_ms"}
+    keys = {k.replace("p99_", "p50_") for k in keys} | keys
+    probe = {"probe_completed", "probe_failed", "probe_median_e2el_ms", "probe_p99_e2el_ms", "probe_max_e2el_ms"}
+    assert set(saved) - probe == keys and saved["probe_completed"] >= 1
+    assert saved["label"] == "mylabel" and saved["version"] == "0.3.3" and saved["tp"] == "1"
+    assert saved["completed"] == 6 and saved["output_lens"] == [3] * 6 and saved["request_goodput"] is not None
+    lines = (tmp_path / "a.json").read_text().splitlines()  # --append-result: one JSON per line
+    assert len(lines) == 2 and all(json.loads(x)["label"] == "mylabel" for x in lines)
+    run = [b for b in srv.bodies if b["prompt"] != "Hi"]  # probes are "Hi"
+    body = run[-1]
+    for k, v in {"temperature": 0.0, "top_p": 0.9, "top_k": 5, "min_p": 0.01, "frequency_penalty": 0.1,
+                 "presence_penalty": 0.2, "repetition_penalty": 1.1, "min_tokens": 1, "logprobs": 1,
+                 "ignore_eos": True, "model": "fake-model", "max_tokens": 3}.items():  # fmt: skip
+        assert body[k] == v, k
+    heads = [h for h, b in zip(srv.headers, srv.bodies) if b["prompt"] != "Hi"]
+    assert heads[-1]["x-a"] == "1" and heads[-1]["x-b"] == "2"
+    ids = {h.get("x-request-id") for h in heads[-6:]}
+    assert ids == {f"run7-{i}" for i in range(6)}
+    # three runs, each: 1 ready check + 2 warm-ups + 6 requests (ignoring probes)
+    assert len(run) == 3 * 9
+
+
+@pytest.mark.parametrize(
+    ("flag", "why"),
+    [
+        (["--use-beam-search"], "no beam search"),
+        (["--hf-name", "x/y"], "Hugging Face"),
+        (["--lora-modules", "a"], "LoRA"),
+        (["--random-mm-bucket-config", "{}"], "text-only"),
+        (["--profile"], "start_profile"),
+        (["--dataset-name", "custom"], "--dataset-name jsonl"),
+        (["--dataset-name=sonnet"], "random or jsonl"),
+    ],
+)
+def test_cli_refuses_vllm_flags_that_cannot_apply_and_says_why(flag, why):
+    from workbench.cli.main import main
+
+    res = CliRunner().invoke(main, ["bench", "serve", "--model", "m", *flag])
+    assert res.exit_code != 0 and flag[0].split("=")[0] in res.output and why in res.output
+
+
+def test_cli_reads_vllms_argument_style():
+    from workbench.cli.main import main
+
+    # underscores as dashes, several values after one --goodput, as vLLM's FlexibleArgumentParser
+    res = CliRunner().invoke(main, ["bench", "serve", "--num_prompts", "0", "--model", "m"])
+    assert res.exit_code != 0 and "--num-prompts 0" in res.output
+    res = CliRunner().invoke(main, ["bench", "serve", "--metadata", "noequals", "--model", "m"])
+    assert res.exit_code != 0 and "KEY=VALUE" in res.output
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"backend": "openai-chat"}, r"--backend openai-chat needs --endpoint /v1/chat/completions"),
+        ({"backend": "openai-embeddings"}, r"no such endpoint"),
+        ({"tokenizer_mode": "mistral"}, r"--tokenizer-mode mistral"),
+        ({"ramp_up_strategy": "linear"}, r"--ramp-up-start-rps"),
+        ({"ramp_up_strategy": "linear", "ramp_up_start_rps": 1, "ramp_up_end_rps": 2, "request_rate": 3},
+         r"drop --request-rate"),
+        ({"random_range_ratio": '{"input": 1.5}'}, r"not in \[0, 1\)"),
+        ({"extra_body": "{nope"}, r"--extra-body"),
+        ({"num_warmups": -1}, r"--num-warmups"),
+    ],
+)
+def test_new_flags_check_their_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        bs.run_bench_serve(base_url="http://127.0.0.1:9", model="m", disable_tqdm=True, **kw)
+
+
+def test_ramp_up_rises_from_start_to_end_rate():
+    lin = bs.ramp_up_rates(5, "linear", 1.0, 5.0)
+    assert np.allclose(lin, [1, 2, 3, 4, 5])
+    exp = bs.ramp_up_rates(3, "exponential", 1.0, 4.0)
+    assert np.allclose(exp, [1, 2, 4])
+    offsets = bs.request_arrival_offsets(2000, math.inf, math.inf, seed=0, ramp_up=("linear", 1.0, 100.0))
+    gaps = np.diff(offsets)
+    assert gaps[0] > 5 * gaps[-1]  # constant gaps (burstiness inf) shrink as the rate rises
+
+
+def test_ramp_up_result_has_vllms_keys_and_rps_change_events(capsys):
+    with FakeServer(delay_s=0.001) as srv:
+        res = bs.run_bench_serve(base_url=srv.base_url, samples=_samples(8, output_len=2), ramp_up_strategy="linear",
+                                 ramp_up_start_rps=20, ramp_up_end_rps=23, disable_tqdm=True)  # fmt: skip
+    assert (res["ramp_up_strategy"], res["ramp_up_start_rps"], res["ramp_up_end_rps"]) == ("linear", 20, 23)
+    assert [e["rps"] for e in res["rps_change_events"]] == [20, 21, 22, 23] and res["completed"] == 8
+    assert "Traffic ramp-up strategy: linear." in capsys.readouterr().out
+
+
+def test_random_prefix_and_oversampling(tokenizer, tmp_path):
+    s = bs.build_samples("random", tokenizer, num_prompts=3, seed=0, random_input_len=8, random_output_len=2,
+                         random_prefix_len=20)  # fmt: skip
+    assert len({x.prompt[:40] for x in s}) == 1 and all(26 <= x.prompt_len <= 30 for x in s)
+    ratio = bs.build_samples("random", tokenizer, num_prompts=20, seed=0, random_input_len=40, random_output_len=10,
+                             random_range_ratio=(0.5, 0.0))  # fmt: skip
+    assert {x.expected_output_len for x in ratio} == {10} and len({x.prompt_len for x in ratio}) > 3
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    assert len(bs.build_samples("jsonl", tokenizer, num_prompts=5, seed=0, dataset_path=str(p))) == 5  # vLLM oversamples
+    few = bs.build_samples("jsonl", tokenizer, num_prompts=5, seed=0, dataset_path=str(p), no_oversample=True)
+    assert [x.prompt for x in few] == ["one", "two"]
+
+
 # ---------------------------------------------------------------------------------------------
 # end to end against the real `workbench serve`
 
 
 @pytest.mark.slow
 @pytest.mark.server
-def test_end_to_end_against_workbench_serve():
+def test_end_to_end_against_workbench_serve(tmp_path):
+    from workbench.cli.main import main
     from workbench.server.launcher import ServerProcess
 
     with ServerProcess(startup_timeout=300, max_model_len=512, max_num_seqs=8) as srv:
@@ -525,6 +700,12 @@ def test_end_to_end_against_workbench_serve():
             disable_tqdm=True,
             print_result=False,
             percentile_metrics="ttft,tpot,itl,e2el",
+            save_detailed=True,
+        )
+        model = json.loads(urllib.request.urlopen(srv.base_url + "/v1/models", timeout=10).read())["data"][0]["id"]
+        flags = [model if a == "fake-model" else a for a in ALL_FLAGS]
+        cli = CliRunner().invoke(
+            main, ["bench", "serve", "--base-url", srv.base_url, *flags, "--result-dir", str(tmp_path)]
         )
     assert res["completed"] == 16, res["errors"]
     assert res["failed"] == 0
@@ -533,7 +714,13 @@ def test_end_to_end_against_workbench_serve():
     assert all(30 <= n <= 34 for n in res["input_lens"])  # 32 tokens, up to decode/re-encode merges
     assert 0 < res["mean_ttft_ms"] <= res["mean_e2el_ms"]
     assert res["mean_tpot_ms"] > 0 and res["median_itl_ms"] > 0
-    assert 1 <= res["max_concurrent_requests"] <= 8
+    assert res["max_concurrent_requests"] >= 1 and res["max_output_tokens_per_s"] >= 1
+    # every accepted vLLM flag against the real server: no failure, and vLLM's keys with --save-detailed
+    assert cli.exit_code == 0, cli.output
+    (path,) = tmp_path.glob("mylabel-*.json")
+    saved = json.loads(path.read_text())
+    assert saved["failed"] == 0 and saved["completed"] == 6, saved["errors"]
+    assert set(VLLM_RESULT_KEYS) | set(VLLM_DETAILED_KEYS) <= set(saved)
 
 
 def test_vllms_spelling_prefix_repetition_is_accepted():

@@ -41,7 +41,7 @@ def test_every_engine_field_is_an_option_of_run_with_its_default_and_choices():
     for f in ON_CLI:
         p = params[f.name]
         assert p.default == f.default, f.name
-        assert p.help == f.metadata["help"], f.name
+        assert p.help.startswith(f.metadata["help"]), f.name  # then vLLM's default, where ours differs
         choices = f.metadata.get("choices")
         if choices:
             assert isinstance(p.type, click.Choice) and list(p.type.choices) == list(choices), f.name

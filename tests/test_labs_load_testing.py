@@ -18,6 +18,22 @@ def test_knee_is_the_lowest_rate_below_the_fraction():
     assert lt.knee(rows[1:2], 0.8) is None
 
 
+def test_completion_rate_ignores_the_tail_of_a_server_that_keeps_up():
+    # 10 requests sent 0.5 s apart (2 req/s), each taking 3 s: completed / duration = 10 / 7.5 = 1.33 req/s
+    # would put the knee at 2 req/s although nothing queued; the completions come 0.5 s apart, as sent
+    starts = [0.5 * i for i in range(10)]
+    assert lt.completion_rate(starts, [3.0] * 10) == pytest.approx(2.0)
+    # a server that falls behind completes one request per second however fast they were sent
+    assert lt.completion_rate([0.0] * 10, [1.0 + i for i in range(10)]) == pytest.approx(1.0)
+    assert lt.completion_rate([0.0, 1.0], [None, 2.0]) is None  # one completion: no rate
+    res = {"start_times": starts, "latencies": [3.0] * 10, "request_throughput": 10 / 7.5, "output_throughput": 1,
+           "median_ttft_ms": 1, "p99_ttft_ms": 1, "median_tpot_ms": 1, "max_concurrent_requests": 7, "completed": 10,
+           "duration": 7.5, "ttfts": [0.1] * 10, "itls": [[0.1]] * 10}  # fmt: skip
+    row = lt.summarize(res, 2.0)
+    assert row["achieved"] == pytest.approx(2.0) and row["throughput"] == pytest.approx(10 / 7.5)
+    assert lt.knee([row], 0.8) is None
+
+
 def test_goodput_fraction_needs_both_targets():
     ttfts = [0.1, 0.6, 0.1, None, 0.2]
     tpots = [0.05, 0.05, 0.5, None, None]

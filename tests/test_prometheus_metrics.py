@@ -101,9 +101,10 @@ def test_exposition_names_types_help_and_units_without_an_engine():
     assert "vllm:prompt_tokens_total{" in text and "workbench:engine_steps_total{" in text
     for s in fams["vllm:num_requests_running"].samples:
         assert s.labels["model_name"] == "m"
-    # vLLM's finish reasons, and ours (error) beside them, exist before any request finishes
+    # vLLM 0.32's finish reasons (FinishReason: error here is a refused request, repetition is never set) exist
+    # before any request finishes
     reasons = {s.labels["finished_reason"] for s in fams["vllm:request_success"].samples if s.name.endswith("_total")}
-    assert reasons == {"stop", "length", "abort", "error"}
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}
     # vLLM's buckets
     ttft = [s.labels["le"] for s in fams["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]
     assert ttft[:3] == ["0.001", "0.005", "0.01"] and ttft[-2:] == ["2560.0", "+Inf"]

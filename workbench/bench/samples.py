@@ -148,17 +148,24 @@ def build_samples(
     output_len: int | None = None,
     random_input_len: int = 1024,
     random_output_len: int = 128,
-    random_range_ratio: float = 0.0,
+    random_range_ratio: float | tuple[float, float] = 0.0,
+    random_prefix_len: int = 0,
     prefix_repetition_prefix_len: int = 256,
     prefix_repetition_suffix_len: int = 256,
     prefix_repetition_num_prefixes: int = 10,
     prefix_repetition_output_len: int = 128,
+    disable_shuffle: bool = False,
+    no_oversample: bool = False,
 ) -> list[SampleRequest]:
     """``num_prompts`` requests of ``dataset_name`` (see the module docstring), reproducible for a ``seed``.
 
     ``output_len`` (tokens), when given, replaces every request's output length (vLLM's
-    ``--output-len``). Lengths in tokens; ``random_range_ratio`` in [0, 1) makes input and output
-    lengths uniform in ``[len * (1 - r), len * (1 + r)]``.
+    ``--output-len``). Lengths in tokens; ``random_range_ratio`` in [0, 1) (one for both, or
+    ``(input, output)``) makes input and output lengths uniform in ``[len * (1 - r), len * (1 + r)]``;
+    ``random_prefix_len`` tokens of one random prefix go before every random prompt (vLLM's
+    ``--random-prefix-len``). ``sharegpt`` is shuffled with the seed unless ``disable_shuffle``. A file
+    with fewer usable prompts than ``num_prompts`` is oversampled (seeded draws of its prompts again,
+    as vLLM), unless ``no_oversample``: then the run has fewer requests.
 
     Raises:
         ValueError: an unknown dataset name, a file with too few usable prompts, or (``jsonl``) chat
@@ -168,17 +175,19 @@ def build_samples(
     dataset_name = {"prefix_repetition": "prefix-repetition"}.get(dataset_name, dataset_name)  # vLLM's spelling
     if dataset_name == "random":
         ids = _ordinary_ids(tokenizer)
-        in_lo, in_hi = (
-            int(random_input_len * (1 - random_range_ratio)),
-            int(random_input_len * (1 + random_range_ratio)),
-        )
-        out_lo = max(1, int(random_output_len * (1 - random_range_ratio)))
-        out_hi = max(out_lo, int(random_output_len * (1 + random_range_ratio)))
-        in_lens = rng.integers(max(1, in_lo), max(1, in_hi) + 1, size=num_prompts)
+        in_r, out_r = random_range_ratio if isinstance(random_range_ratio, tuple) else (random_range_ratio,) * 2
+        in_lo, in_hi = int(random_input_len * (1 - in_r)), int(random_input_len * (1 + in_r))
+        out_lo = max(1, int(random_output_len * (1 - out_r)))
+        out_hi = max(out_lo, int(random_output_len * (1 + out_r)))
+        lowest = 0 if random_prefix_len else 1
+        in_lens = rng.integers(max(lowest, in_lo), max(lowest, in_hi) + 1, size=num_prompts)
         out_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
+        prefix = _random_text(tokenizer, rng, ids, random_prefix_len)[0]
         out = []
         for i in range(num_prompts):
             text, n = _random_text(tokenizer, rng, ids, int(in_lens[i]))
+            if prefix:
+                text, n = prefix + text, len(_encode(tokenizer, prefix + text))
             out.append(SampleRequest(text, n, output_len or int(out_lens[i]), f"random-{i}"))
         return out
     if dataset_name == "prefix-repetition":
@@ -197,7 +206,8 @@ def build_samples(
         return [out[j] for j in order]
     if dataset_name == "sharegpt":
         records = load_prompts(dataset_path)
-        random.Random(seed).shuffle(records)
+        if not disable_shuffle:
+            random.Random(seed).shuffle(records)
         out = []
         no_reply = 0
         for r in records:
@@ -226,8 +236,7 @@ def build_samples(
                 f"--dataset-path {dataset_path}: no conversation has a gpt reply to take the output length "
                 "from; give --output-len N (tokens) for every request"
             )
-        _enough(out, num_prompts, dataset_path, "usable conversations (a human turn answered by a gpt turn)")
-        return out
+        return _oversample(out, num_prompts, seed, no_oversample, dataset_path, "usable conversations")
     if dataset_name == "jsonl":
         records = load_prompts(dataset_path, num_prompts=num_prompts)
         out = []
@@ -238,8 +247,7 @@ def build_samples(
                 n_in = _chat_len(tokenizer, r.prompt)
             n_out = output_len or r.output_len or r.max_tokens or DEFAULT_JSONL_OUTPUT_LEN
             out.append(SampleRequest(r.prompt, n_in, n_out, r.id))
-        _enough(out, num_prompts, dataset_path, "prompts")
-        return out
+        return _oversample(out, num_prompts, seed, no_oversample, dataset_path, "prompts")
     raise ValueError(f"--dataset-name {dataset_name!r} is not one of {', '.join(DATASET_NAMES)}")
 
 
@@ -250,9 +258,26 @@ def _chat_len(tokenizer, messages: list[dict[str, str]]) -> int:
         return sum(len(_encode(tokenizer, m["content"])) for m in messages)
 
 
-def _enough(out: list, num_prompts: int, path, what: str) -> None:
-    if len(out) < num_prompts:
-        log.warning("asked for %d prompts; %s has %d %s — running %d", num_prompts, path, len(out), what, len(out))
+def _oversample(out: list, num_prompts: int, seed: int, no_oversample: bool, path, what: str) -> list:
+    """``out`` filled up to ``num_prompts`` with seeded draws from itself (vLLM's oversampling), or as it
+    is with ``no_oversample``.
+
+    Raises:
+        ValueError: the file gave no usable prompt at all.
+    """
+    _check_some(out, path, what)
+    if len(out) >= num_prompts or no_oversample:
+        if len(out) < num_prompts:
+            log.warning("%s: %d %s for --num-prompts %d; --no-oversample: sending %d", path, len(out), what,
+                        num_prompts, len(out))  # fmt: skip
+        return out
+    rng = random.Random(seed)
+    log.warning("%s: %d %s for --num-prompts %d; oversampling (as vLLM; --no-oversample to send only these)",
+                path, len(out), what, num_prompts)  # fmt: skip
+    return out + [rng.choice(out) for _ in range(num_prompts - len(out))]
+
+
+def _check_some(out: list, path, what: str) -> None:
     if not out:
         raise ValueError(f"--dataset-path {path}: no {what}; check the file's format")
 

@@ -259,7 +259,13 @@ def compare(allocators, policies, dataset, num_prompts, max_tokens, output_dir, 
 
 @main.command(short_help="Serve the model over an OpenAI-compatible HTTP API, with Prometheus /metrics.")
 @click.argument("model_tag", required=False)
-@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind (0.0.0.0: every interface)")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="address to bind (0.0.0.0: every interface). vLLM binds every interface by default; loopback here, so "
+    "that a course machine exposes nothing unless asked",
+)
 @click.option("--port", default=8000, show_default=True, type=int, help="TCP port")
 @click.option("--served-model-name", default=None, help="the name clients use as 'model' [default: --model's value]")
 @click.option(

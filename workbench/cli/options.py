@@ -18,7 +18,21 @@ from workbench.config import EngineConfig
 from workbench.plugins import is_plugin_name
 from workbench.units import parse_size
 
-__all__ = ["parse_bytes", "dataclass_options", "engine_options", "engine_args", "bytes_fields"]
+__all__ = ["VLLM_DEFAULTS", "parse_bytes", "dataclass_options", "engine_options", "engine_args", "bytes_fields"]
+
+#: Engine arguments whose default is not vLLM 0.32's: vLLM's default and why ours differs, shown in ``--help``
+#: after the option's own text (the docs' list: docs/serving.md, "Where the defaults differ from vLLM's").
+VLLM_DEFAULTS: dict[str, str] = {
+    "gpu_memory_utilization": "vLLM 0.32: 0.92. 0.9 here: vLLM's default before, and the value the course's GPU "
+    "figures use",
+    "max_num_seqs": "vLLM 0.32: 128 (CPU server), 256 (CPU LLM, GPUs under 70 GiB), 1024 (H100-class). 64 here, "
+    "sized for the course's small pools; pass 128 for vLLM's CPU server",
+    "max_model_len": "vLLM: the model's full context. Capped at 4096 here: the course's prompts are short, and "
+    "the cap keeps one request's worst case within a laptop's default pool",
+    "enable_prefix_caching": "vLLM 0.32: on. Off here, because the course measures the pool without sharing first "
+    "and turns it on in chapter 6; without it vLLM's dashboard shows no prefix-cache hit rate",
+    "max_num_batched_tokens": "vLLM 0.32 on CPU: 2048 for the server, 4096 for LLM; GPUs 8192-16384",
+}
 
 
 def parse_bytes(value: str | int | None) -> int | None:
@@ -76,6 +90,8 @@ def _option(f: dataclasses.Field, cli: dict):
     default = f.default if f.default is not dataclasses.MISSING else None
     kind = _kind(f.type)
     kw = {"default": default, "help": f.metadata.get("help")}
+    if f.name in VLLM_DEFAULTS:
+        kw["help"] = f"{kw['help']}. {VLLM_DEFAULTS[f.name]}"
     if default is not None:
         kw["show_default"] = True
     choices = f.metadata.get("choices")

@@ -10,7 +10,7 @@ can use it directly::
 
 One background thread owns the :class:`~workbench.engine.LLMEngine`: it takes new requests and aborts
 from a queue, steps while any request is unfinished and sleeps otherwise, and hands each step's
-outputs to the asyncio queues of their callers. Requests stream as ``DELTA`` outputs (only what is new
+outputs to the asyncio queues of their callers (one ``call_soon_threadsafe`` per event loop and step). Requests stream as ``DELTA`` outputs (only what is new
 since the previous one); the last has ``finished=True``. vLLM runs its engine core in another process;
 one thread is enough here because the model's matmuls release the GIL and the HTTP side is light.
 """
@@ -50,6 +50,12 @@ class _Stream:
 
     def put(self, item) -> None:  # from the engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _put_all(items: list) -> None:
+    """(On a caller's event loop) hand each ``(queue, output)`` of one engine step to its queue."""
+    for q, item in items:
+        q.put_nowait(item)
 
 
 class AsyncLLM:
@@ -227,19 +233,13 @@ class AsyncLLM:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for out in eng.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
+                self._deliver(eng.step())
                 if self.check_invariants:
                     eng.kv.check_invariants()
             for rid in list(eng.groups):  # shutting down: every request ends as aborted
                 eng.abort(rid)
             while eng.has_unfinished_requests():
-                for out in eng.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
+                self._deliver(eng.step())
         except BaseException as e:  # a worker died, a bug no request can be blamed for: every caller learns why
             self.dead = e
             log.exception("the engine loop stopped")
@@ -247,6 +247,18 @@ class AsyncLLM:
                 stream.put(EngineDeadError(f"the engine loop stopped: {e}"))
             for fn in self.on_dead:
                 fn(e)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand one step's outputs to their callers: one ``call_soon_threadsafe`` per event loop for the
+        whole step (not one per output), so that a step of 64 streams wakes the loop once and the engine
+        thread makes one self-pipe write, not 64."""
+        by_loop: dict = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _drain_inbox(self) -> None:
         eng = self.engine

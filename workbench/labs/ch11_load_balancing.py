@@ -214,7 +214,7 @@ def _bench_in_thread(base_url: str, model: str, samples, request_rate: float, mo
         try:
             box["res"] = run_bench_serve(
                 base_url=base_url, samples=samples, model=model, request_rate=request_rate, seed=0,
-                disable_tqdm=True, print_result=False, replica_monitor=monitor,
+                temperature=0.0, save_detailed=True, disable_tqdm=True, print_result=False, replica_monitor=monitor,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - raised in the caller's thread
             box["err"] = e

@@ -7,7 +7,7 @@
 - :class:`LiveSweep` — a capacity sweep over offered request rates, plotted live in a plotly ``FigureWidget``:
   achieved throughput and TTFT per rate as each rate finishes, and the server's waiting / running queue polled
   from ``/metrics`` while the load runs;
-- :func:`knee`, :func:`request_tpots`, :func:`goodput_fraction` — the rules the exercises check;
+- :func:`knee`, :func:`completion_rate`, :func:`request_tpots`, :func:`goodput_fraction` — the rules the exercises check;
 - tables (:func:`sweep_table`, :func:`compare_table`) and figures.
 
 Numbers here are seconds and milliseconds measured on whatever CPU runs the notebook: they vary run to run.
@@ -39,6 +39,8 @@ LOAD_DEFAULTS: dict[str, Any] = {
     "random_input_len": 32,
     "random_output_len": 16,
     "seed": 0,
+    "temperature": 0.0,
+    "save_detailed": True,
     "disable_tqdm": True,
     "print_result": False,
 }
@@ -129,10 +131,35 @@ def goodput_fraction(ttfts: Sequence[float | None], tpots: Sequence[float | None
     return good / len(ttfts)
 
 
+def completion_rate(start_times: Sequence[float], latencies: Sequence[float | None]) -> float | None:
+    """Requests per second a server completed while the load ran: (completed − 1) / the time from the first
+    completion to the last (a completion = send + E2EL). A server that keeps up completes requests as they
+    arrive, so this matches the rate they were sent at; one that falls behind completes them at its capacity
+    however fast they arrive. Unlike completed / duration, the rate does not fall because the last requests
+    take their latency to finish after the last send. ``None`` with fewer than two completed requests."""
+    ends = sorted(t + e for t, e in zip(start_times, latencies) if e is not None)
+    if len(ends) < 2 or ends[-1] <= ends[0]:
+        return None
+    return (len(ends) - 1) / (ends[-1] - ends[0])
+
+
+def peak_in_flight(start_times: Sequence[float], latencies: Sequence[float | None]) -> int:
+    """The most completed requests whose [send, send + E2EL) intervals overlap (vLLM's
+    ``max_concurrent_requests`` counts requests per one-second bucket instead, which overstates it)."""
+    ev = sorted([(t, 1) for t, e in zip(start_times, latencies) if e is not None]
+                + [(t + e, -1) for t, e in zip(start_times, latencies) if e is not None])  # fmt: skip
+    peak = cur = 0
+    for _, d in ev:  # an end sorts before a start at the same time
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
 def knee(rows: Sequence[dict], frac: float = 0.8) -> float | None:
-    """The knee of a capacity sweep: the lowest ``offered`` rate whose ``achieved`` throughput is below ``frac`` of
-    it — from there the server completes fewer requests per second than arrive and the waiting queue grows.
-    ``None`` when the server kept up at every rate. Rows need ``offered`` and ``achieved`` (req/s)."""
+    """The knee of a capacity sweep: the lowest ``offered`` rate whose ``achieved`` completion rate is below
+    ``frac`` of it — from there the server completes fewer requests per second than arrive and the waiting
+    queue grows. ``None`` when the server kept up at every rate. Rows need ``offered`` and ``achieved`` (req/s;
+    :func:`summarize` computes ``achieved`` with :func:`completion_rate`)."""
     for r in sorted(rows, key=lambda r: r["offered"]):
         if r["achieved"] < frac * r["offered"]:
             return r["offered"]
@@ -140,11 +167,16 @@ def knee(rows: Sequence[dict], frac: float = 0.8) -> float | None:
 
 
 def summarize(res: dict, offered: float, slo: dict | None = None, label: str = "") -> dict:
-    """One row from a ``bench serve`` result: offered and achieved rate (req/s), TTFT p50/p99 (ms), TPOT p50 (ms),
-    the most requests in flight, and goodput (req/s, when ``slo`` = ``{"ttft_s", "tpot_s"}`` is given)."""
-    row = {"label": label, "offered": offered, "achieved": res["request_throughput"],
+    """One row from a ``bench serve`` result kept with ``save_detailed``: offered rate and ``achieved``
+    completion rate (req/s, :func:`completion_rate`; ``throughput`` is vLLM's completed / duration), TTFT
+    p50/p99 (ms), TPOT p50 (ms), the most requests in flight (:func:`peak_in_flight`), and goodput (req/s, when ``slo`` =
+    ``{"ttft_s", "tpot_s"}`` is given)."""
+    achieved = completion_rate(res["start_times"], res["latencies"])
+    row = {"label": label, "offered": offered,
+           "achieved": res["request_throughput"] if achieved is None else achieved,
+           "throughput": res["request_throughput"],
            "output_tps": res["output_throughput"], "ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"],
-           "tpot_p50": res["median_tpot_ms"], "max_inflight": res["max_concurrent_requests"],
+           "tpot_p50": res["median_tpot_ms"], "max_inflight": peak_in_flight(res["start_times"], res["latencies"]),
            "completed": res["completed"], "duration": res["duration"],
            "ttfts": list(res["ttfts"]), "tpots": request_tpots(res["itls"])}  # fmt: skip
     if slo:
@@ -297,9 +329,11 @@ def ttft_cdf_figure(rows: Sequence[dict], title: str) -> go.Figure:
 
 
 def compare_table(rows: Sequence[dict]) -> Table:
-    """Runs side by side (``label`` first): achieved rate, TTFT p50 / p99, TPOT p50, most in flight, SLO met."""
+    """Runs side by side (``label`` first): offered and achieved rate, completed / duration, TTFT p50 / p99,
+    TPOT p50, most in flight, SLO met."""
     cols = [Column("label", "run", align="left"), Column("offered", "offered (req/s)", _f(2)),
-            Column("achieved", "achieved (req/s)", _f(2)), Column("ttft_p50", "TTFT p50 (ms)", _f(0)),
+            Column("achieved", "achieved (req/s)", _f(2)), Column("throughput", "completed / duration", _f(2)),
+            Column("ttft_p50", "TTFT p50 (ms)", _f(0)),
             Column("ttft_p99", "TTFT p99 (ms)", _f(0)), Column("tpot_p50", "TPOT p50 (ms)", _f(0)),
             Column("max_inflight", "most in flight")]  # fmt: skip
     if rows and "good_frac" in rows[0]:
@@ -317,7 +351,9 @@ __all__ = [
     "compare_table",
     "goodput_figure",
     "goodput_fraction",
+    "completion_rate",
     "knee",
+    "peak_in_flight",
     "queue_depth",
     "request_tpots",
     "start_server",

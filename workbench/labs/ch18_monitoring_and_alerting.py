@@ -316,7 +316,7 @@ def _stop_all(server, receiver, prometheus) -> None:
 
 # ---------------------------------------------------------------- load and the live plot
 #: The overload's requests (``workbench bench serve``'s random dataset): prompt and output tokens, seeded.
-OVERLOAD_REQUESTS = dict(dataset_name="random", random_input_len=32, random_output_len=16, seed=0)
+OVERLOAD_REQUESTS = dict(dataset_name="random", random_input_len=32, random_output_len=16, seed=0, temperature=0.0)
 
 
 def measure_capacity(stack: MonitoringStack, num_prompts: int | None = None, **bench_args: Any) -> float:

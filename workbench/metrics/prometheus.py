@@ -27,11 +27,55 @@ Where this exporter differs from vLLM, and why:
   it was recomputed after preemption — as vLLM), each histogram's ``_count`` = the number of
   records that have the figure and ``_sum`` their sum. A refused request (``finished_reason="error"``)
   adds its prompt tokens too, although none ran through the model.
-* **Finish reasons.** ``finished_reason`` takes vLLM's values ``stop``, ``length`` and ``abort``,
-  plus ``error``: a request the engine refused (a prompt that can never fit ``max_model_len`` or the
-  KV pool). vLLM rejects such a request before it reaches the engine; here it is a finished request
-  with a record, and a fourth value keeps it apart from client aborts. All four series exist from
-  the start (0), as vLLM creates its reasons up front.
+* **Finish reasons.** ``finished_reason`` takes vLLM 0.32's five values (``FinishReason``): ``stop``,
+  ``length``, ``abort``, ``error`` and ``repetition``; all five series exist from the start (0), as vLLM
+  creates every reason up front. ``error`` is vLLM's value for a retryable request-level internal error
+  (a KV load failure); here it is a request the engine refused (a prompt that can never fit
+  ``max_model_len`` or the KV pool), or one a failed step ended. vLLM rejects such a prompt before it
+  reaches the engine; here it is a finished request with a record, kept apart from client aborts.
+  ``repetition`` is never counted: vLLM sets it when a request's ``SamplingParams.repetition_detection``
+  finds a repeating token pattern in the output (a hallucination loop); this engine has no repetition
+  detection (``SamplingParams`` has no such field).
+* **Per-request preemptions and prompt sources** come from the same records:
+  ``vllm:request_num_preemptions`` observes each finished sequence's ``num_preemptions`` (recompute and
+  swap preemptions alike; ``vllm:num_preemptions_total`` counts the same events as they happen).
+  For each request whose prefill completed (it has a first token; vLLM counts prompt sources when the
+  prefill completes), ``vllm:request_prefill_kv_computed_tokens`` observes ``prompt_tokens -
+  num_cached_tokens`` (its prefix-cache hits at first admission), ``vllm:prompt_tokens_by_source_total``
+  adds the same figure under ``source="local_compute"`` and the hits under ``"local_cache_hit"``, and
+  ``vllm:prompt_tokens_cached_total`` the hits. So the three sources sum to the prompt tokens of the
+  requests that produced a first token, not to ``vllm:prompt_tokens_total``, which also counts refused
+  requests and requests aborted before their first token. A parallel-sampling sequence after the first
+  (``n > 1``) shares the first one's prompt KV without a prefix-cache lookup: like each of vLLM's child
+  requests it reports its whole prompt as computed (vLLM's children do compute it; here they compute only
+  the last prompt token). ``vllm:prompt_tokens_cached_by_source_total{source="device"}`` adds each step's
+  prefix-cache hits, as vLLM adds its scheduler's, so it equals ``vllm:prefix_cache_hits_total``.
+* ``vllm:request_params_n`` and ``vllm:request_max_num_generation_tokens`` observe once per user request,
+  when the last of its ``n`` sequences is recorded: ``n`` and the most output tokens of its sequences,
+  as vLLM's ``ParentRequest``. ``n`` is read from the engine's request (the sink must be attached to
+  the engine; fed records alone, each record counts as a request with ``n = 1``).
+* ``vllm:num_requests_waiting_by_reason``: ``reason="capacity"`` is ``vllm:num_requests_waiting``;
+  ``"deferred"`` (vLLM: requests skipped for LoRA budget, KV transfer or a blocked status) is always 0,
+  as this scheduler skips no waiting request.
+* ``vllm:cache_config_info`` (an info gauge, 1, labels vLLM 0.32's ``CacheConfig`` fields and ``engine``,
+  no ``model_name``, as vLLM's) is filled from the engine's ``EngineConfig`` and memory budget:
+  ``block_size``, ``num_gpu_blocks``, ``gpu_memory_utilization``, ``cache_dtype`` (``--kv-cache-dtype``),
+  ``enable_prefix_caching``, ``num_gpu_blocks_override``, ``kv_cache_memory_bytes``, ``num_cpu_blocks``
+  (the CPU swap pool; ``None`` without one, as vLLM v1's), ``kv_cache_size_tokens`` and
+  ``kv_cache_max_concurrency`` (vLLM's formulas), ``hash_block_size`` / ``cache_hit_alignment_tokens`` /
+  ``effective_attention_block_size`` (the block size). ``user_specified_block_size`` is ``True`` when
+  ``block_size`` differs from the default (whether it was given is not kept). Fields of features this
+  engine lacks (Mamba, sliding window, KV offloading, layouts, ...) carry vLLM's defaults
+  (:data:`CACHE_CONFIG_DEFAULTS`). The series exists once :meth:`PrometheusSink.attach` ran.
+* **Families of features this engine lacks report what vLLM reports with the feature off**:
+  ``vllm:external_prefix_cache_queries_total`` / ``_hits_total`` (no KV connector), ``vllm:mm_cache_queries_total``
+  / ``_hits_total`` (text-only models), the ``host`` / ``p2p`` / ``disk`` / ``external_unspecified`` sources of
+  ``vllm:prompt_tokens_cached_by_source_total`` and ``external_kv_transfer`` of
+  ``vllm:prompt_tokens_by_source_total`` stay 0; ``vllm:engine_sleep_state`` is always ``awake=1``,
+  ``weights_offloaded=0``, ``discard_all=0`` (no sleep mode). ``vllm:estimated_flops_per_gpu_total``,
+  ``vllm:estimated_read_bytes_per_gpu_total`` and ``vllm:estimated_write_bytes_per_gpu_total`` stay 0: vLLM
+  0.32 creates them always but adds to them only with ``--enable-mfu-metrics`` (its model-FLOPs estimator,
+  ``vllm/v1/metrics/perf.py``), which is off by default, so a default vLLM server reports 0 too.
 * **Missing figures are not observed.** A request without a figure (TPOT of a one-token output,
   TTFT or queue time of a refused request) adds nothing to that histogram; vLLM observes 0 for
   the TPOT of one-token outputs.
@@ -87,8 +131,60 @@ EVICTED_AGE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 163
 #: ``max_model_len`` for the token-count buckets when the sink is built without an engine.
 DEFAULT_MAX_MODEL_LEN = 8192
 
-#: ``finished_reason`` values: vLLM's three, then ours (a request the engine refused).
-FINISH_REASONS = ("stop", "length", "abort", "error")
+#: vLLM's ``n`` parameter buckets (``vllm:request_params_n``).
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+#: vLLM's per-request preemption-count buckets (``vllm:request_num_preemptions``; 0 falls in the first).
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+
+#: ``finished_reason`` values, vLLM's ``FinishReason`` in its order; ``error`` here is a request the engine
+#: refused, ``repetition`` is never set (see the module docstring).
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+#: ``vllm:num_requests_waiting_by_reason``'s ``reason`` values.
+WAITING_REASONS = ("capacity", "deferred")
+#: ``vllm:engine_sleep_state``'s ``sleep_state`` values.
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+#: ``vllm:prompt_tokens_by_source``'s ``source`` values (vLLM's ``PromptTokenStats.ALL_SOURCES``).
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+#: ``vllm:prompt_tokens_cached_by_source``'s ``source`` values (vLLM's ``CacheHitSource``).
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+#: The labels of ``vllm:cache_config_info``: vLLM 0.32's ``CacheConfig`` fields (``metrics_info()`` is its
+#: ``__dict__``), in declaration order, then ``engine``. No ``model_name``, as vLLM's.
+CACHE_CONFIG_LABELS = (
+    "block_size", "user_specified_block_size", "kv_cache_layout", "prefix_match_unit", "gpu_memory_utilization",
+    "cache_dtype", "is_attention_free", "num_gpu_blocks_override", "sliding_window", "enable_prefix_caching",
+    "prefix_caching_hash_algo", "prefix_cache_retention_interval", "kv_cache_dtype_skip_layers",
+    "mamba_page_size_padded", "skip_page_size_padded", "mamba_block_size", "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype", "mamba_cache_mode", "enable_mamba_shared_prefix_checkpoint", "replayssm_buffer_len",
+    "use_replayssm", "use_kda_recoverssm", "num_gpu_blocks", "num_cpu_blocks", "effective_attention_block_size",
+    "kv_cache_size_tokens", "kv_cache_max_concurrency", "hash_block_size", "cache_hit_alignment_tokens",
+    "kv_sharing_fast_prefill", "swa_bounded_replay", "kv_cache_memory_bytes", "kv_offloading_size",
+    "kv_offloading_backend", "_block_size_resolved", "engine",
+)  # fmt: skip
+#: ``vllm:cache_config_info`` labels for features this engine does not have: vLLM's defaults.
+CACHE_CONFIG_DEFAULTS = {
+    "kv_cache_layout": "None",
+    "prefix_match_unit": "None",
+    "is_attention_free": "False",
+    "sliding_window": "None",  # the loader refuses sliding-window models
+    "prefix_caching_hash_algo": "sha256",  # block hashes are chained SHA-256 (workbench/kv/manager.py)
+    "prefix_cache_retention_interval": "0",
+    "kv_cache_dtype_skip_layers": "[]",
+    "mamba_page_size_padded": "None",
+    "skip_page_size_padded": "None",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_ssm_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "replayssm_buffer_len": "16",
+    "use_replayssm": "False",
+    "use_kda_recoverssm": "False",
+    "kv_sharing_fast_prefill": "False",
+    "swa_bounded_replay": "True",
+    "kv_offloading_size": "None",
+    "kv_offloading_backend": "native",
+    "_block_size_resolved": "True",
+}
 #: The five-way split of the KV pool (docs/architecture.md §3), the ``state`` label values.
 POOL_STATES = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "free")
 #: Collectives counted in :class:`~workbench.metrics.StepStats`, the ``op`` label values.
@@ -202,6 +298,78 @@ class PrometheusSink:
             "Histogram of number of tokens per engine_step. (Tokens run through the model per step: prefill + decode.)",
             ITERATION_TOKEN_BUCKETS,
         )
+        self.waiting_by_reason = self._by(
+            Gauge,
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
+            "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all "
+            "reasons equals vllm:num_requests_waiting. (Here every waiting request waits for capacity: the "
+            "scheduler defers none, so deferred is 0.)",
+            "reason",
+            WAITING_REASONS,
+        )
+        self.sleep_state = self._by(
+            Gauge,
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2. (No sleep mode here: "
+            "always awake.)",
+            "sleep_state",
+            SLEEP_STATES,
+        )
+        self.sleep_state["awake"].set(1)  # vLLM's record_sleep_state() defaults: awake
+        self.cached_by_source = self._by(
+            Counter,
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to "
+            "DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at "
+            "admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits. (One tier here: device.)",
+            "source",
+            CACHE_HIT_SOURCES,
+        )
+        # vLLM's families for features this engine lacks: declared, as vLLM declares them, and never increased
+        # (the values vLLM reports with the feature off; see the module docstring)
+        self.external_prefix_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+            "queried tokens. (No KV connector here: 0.)",
+        )
+        self.external_prefix_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+            "cached tokens. (No KV connector here: 0.)",
+        )
+        self.mm_cache_queries = counter(
+            "vllm:mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items. (Text-only engine: 0.)",
+        )
+        self.mm_cache_hits = counter(
+            "vllm:mm_cache_hits",
+            "Multi-modal cache hits, in terms of number of cached items. (Text-only engine: 0.)",
+        )
+        self.estimated_flops = counter(
+            "vllm:estimated_flops_per_gpu",
+            "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations). "
+            "(0, as vLLM without --enable-mfu-metrics, its default.)",
+        )
+        self.estimated_read_bytes = counter(
+            "vllm:estimated_read_bytes_per_gpu",
+            "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations). "
+            "(0, as vLLM without --enable-mfu-metrics, its default.)",
+        )
+        self.estimated_write_bytes = counter(
+            "vllm:estimated_write_bytes_per_gpu",
+            "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations). "
+            "(0, as vLLM without --enable-mfu-metrics, its default.)",
+        )
+        #: vLLM's info gauge of its CacheConfig (labels: CACHE_CONFIG_LABELS, no model_name); one series, set to 1
+        #: by attach() from the engine's configuration
+        self.cache_config_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            CACHE_CONFIG_LABELS,
+            registry=self.registry,
+        )
 
     def _declare_request_metrics(self, max_len: int) -> None:
         """vLLM's per-request counters and histograms, fed by every RequestRecord; token buckets up to ``max_len``."""
@@ -222,7 +390,41 @@ class PrometheusSink:
             FINISH_REASONS,
         )
         self._success = self._parents["vllm:request_success"]
+        self.prompt_by_source = by(
+            Counter,
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source. (Prompt tokens of finished requests whose prefill completed: "
+            "local_compute = computed, local_cache_hit = prefix-cache hits; no KV transfer here.)",
+            "source",
+            PROMPT_TOKEN_SOURCES,
+        )
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external). (Prefix-cache hits of finished requests whose "
+            "prefill completed.)",
+        )
         tok = build_1_2_5_buckets(max_len)
+        self.h_max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens. (Per request: the most output tokens of "
+            "its n sequences.)",
+            tok,
+        )
+        self.h_params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS
+        )
+        self.h_num_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted. (Per sequence, recompute and swap.)",
+            REQUEST_NUM_PREEMPTIONS_BUCKETS,
+        )
+        self.h_prefill_kv_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens). (Prompt tokens - "
+            "prefix-cache hits, per request whose prefill completed.)",
+            tok,
+        )
+        self._groups: dict[str, list[int]] = {}  # an n > 1 request's id -> [sequences recorded, most output tokens]
         self.h_prompt = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed. (Prompt tokens per request.)", tok
         )
@@ -352,8 +554,9 @@ class PrometheusSink:
     def attach(self, engine) -> None:
         """Read the engine's static figures from ``engine.memory`` (a
         :class:`~workbench.memory.MemoryBudget`): blocks, block size, KV bytes per token, KV pool
-        bytes, communication buffer bytes. Also lets :meth:`on_request` read each finished
-        request's ``max_tokens`` (``vllm:request_params_max_tokens``)."""
+        bytes, communication buffer bytes; ``vllm:cache_config_info`` from its configuration. Also lets
+        :meth:`on_request` read each finished request's ``max_tokens`` (``vllm:request_params_max_tokens``) and
+        ``n`` (``vllm:request_params_n``)."""
         self.engine = engine
         mem = engine.memory
         self.blocks_total.set(mem.num_blocks)
@@ -365,11 +568,14 @@ class PrometheusSink:
         if kv is not None:
             self.blocks_free.set(kv.num_free_blocks)
             self.blocks_used.set(kv.num_blocks - kv.num_free_blocks)
+        if getattr(engine, "config", None) is not None:  # one series: the engine attached last
+            self.cache_config_info.clear()
+            self.cache_config_info.labels(**cache_config_labels(engine)).set(1)
 
     def engine_stopped(self) -> None:
         """The engine loop stopped on an error: it runs and queues nothing any more (the gauges say so
         rather than freezing at the last step's values)."""
-        for g in (self.running, self.waiting, self.swapped):
+        for g in (self.running, self.waiting, self.swapped, *self.waiting_by_reason.values()):
             g.set(0)
 
     # ------------------------------------------------------------------ sink interface
@@ -377,6 +583,7 @@ class PrometheusSink:
         """Gauges of the queues and the KV pool after the step; its counters and iteration tokens."""
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
+        self.waiting_by_reason["capacity"].set(s.num_waiting)  # the scheduler defers none: "deferred" stays 0
         self.swapped.set(s.num_swapped)
         self.kv_usage.set(s.blocks_used / s.num_blocks if s.num_blocks else 0.0)
         self.blocks_used.set(s.blocks_used)
@@ -397,6 +604,7 @@ class PrometheusSink:
         self.preemptions.inc(s.num_preemptions)
         self.prefix_queries.inc(s.prefix_cache_queries)
         self.prefix_hits.inc(s.prefix_cache_hits)
+        self.cached_by_source["device"].inc(s.prefix_cache_hits)
         self.prefix_evictions.inc(s.prefix_cache_evictions)
         for age in s.evicted_block_ages_steps:
             self.evicted_age.observe(age)
@@ -427,9 +635,35 @@ class PrometheusSink:
         _observe(self.h_inference, _diff(r.finish_time_s, r.first_scheduled_time_s))
         for x in r.itl_s:
             self.h_itl.observe(x)
+        self.h_num_preemptions.observe(r.num_preemptions)
+        if r.first_token_time_s is not None:  # its prefill completed (vLLM counts prompt sources then)
+            cached = min(max(r.num_cached_tokens, 0), r.prompt_tokens)
+            self.h_prefill_kv_computed.observe(r.prompt_tokens - cached)
+            self.prompt_by_source["local_compute"].inc(r.prompt_tokens - cached)
+            self.prompt_by_source["local_cache_hit"].inc(cached)
+            self.prompt_cached.inc(cached)
         req = getattr(self.engine, "requests", {}).get(r.request_id) if self.engine is not None else None
         if req is not None:  # the engine drops it after the step that records it
             self.h_max_tokens.observe(req.sampling_params.max_tokens)
+        self._observe_group(r, req)
+
+    def _observe_group(self, r: RequestRecord, req) -> None:
+        """``vllm:request_params_n`` and ``vllm:request_max_num_generation_tokens``: once per request (user id),
+        when the last of its ``n`` sequences is recorded, as vLLM's ``ParentRequest`` does. Without the engine's
+        request (a sink fed records alone) a record is a request with ``n = 1``."""
+        n = req.sampling_params.n if req is not None else 1
+        if n <= 1:
+            self.h_params_n.observe(1)
+            self.h_max_generation.observe(r.output_tokens)
+            return
+        key = req.parent_id or r.request_id
+        g = self._groups.setdefault(key, [0, 0])
+        g[0] += 1
+        g[1] = max(g[1], r.output_tokens)
+        if g[0] >= n:
+            del self._groups[key]
+            self.h_params_n.observe(n)
+            self.h_max_generation.observe(g[1])
 
     def on_block_map(self, snapshot: dict) -> None:
         """Block maps are not exported."""
@@ -443,6 +677,41 @@ class PrometheusSink:
         return prometheus_client.generate_latest(self.registry)
 
 
+def cache_config_labels(engine) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` for ``engine``: vLLM's ``CacheConfig.metrics_info()`` (each field
+    as ``str()``), filled from the engine's configuration and memory budget; features this engine lacks get vLLM's
+    defaults (:data:`CACHE_CONFIG_DEFAULTS`). ``kv_cache_max_concurrency`` and ``kv_cache_size_tokens`` are vLLM's
+    formulas for one full-attention group: blocks / ceil(max_model_len / block_size), and that x max_model_len."""
+    from workbench.config import EngineConfig
+
+    cfg, mem = engine.config, engine.memory
+    bs, blocks = mem.block_size, mem.num_blocks
+    max_len = getattr(engine, "max_model_len", None) or DEFAULT_MAX_MODEL_LEN
+    concurrency = blocks / -(-max_len // bs)
+    swap_pool = getattr(getattr(engine, "kv", None), "swap_pool", None)  # the CPU swap pool, paged managers only
+    num_cpu_blocks = swap_pool.num_blocks if swap_pool is not None else 0
+    default_bs = EngineConfig.__dataclass_fields__["block_size"].default
+    labels = {
+        **CACHE_CONFIG_DEFAULTS,
+        "block_size": bs,
+        "user_specified_block_size": cfg.block_size != default_bs,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "cache_dtype": cfg.kv_cache_dtype,
+        "num_gpu_blocks_override": cfg.num_gpu_blocks_override,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "num_gpu_blocks": blocks,
+        "num_cpu_blocks": num_cpu_blocks or None,  # the CPU swap pool (preemption_mode="swap"); None as vLLM's
+        "effective_attention_block_size": bs,
+        "kv_cache_size_tokens": int(concurrency * max_len),
+        "kv_cache_max_concurrency": concurrency,
+        "hash_block_size": bs,  # a hash per full block
+        "cache_hit_alignment_tokens": bs,  # hits are whole blocks
+        "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
+        "engine": "0",
+    }
+    return {k: str(labels[k]) for k in CACHE_CONFIG_LABELS}
+
+
 def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
@@ -452,4 +721,4 @@ def _observe(h, v: float | None) -> None:
         h.observe(v)
 
 
-__all__ = ["CONTENT_TYPE", "PrometheusSink", "build_1_2_5_buckets"]
+__all__ = ["CONTENT_TYPE", "PrometheusSink", "build_1_2_5_buckets", "cache_config_labels"]

@@ -18,6 +18,7 @@ are stopped.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -102,6 +103,7 @@ class OpenAIServing:
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="workbench-tokenize")
         #: a text prompt longer than this cannot fit max_model_len (:func:`workbench.inputs.max_prompt_chars`)
         self.max_prompt_chars = max_prompt_chars(llm.tokenizer, llm.max_model_len)
+        self.system_fingerprint = system_fingerprint(llm.engine.config)
 
     # ------------------------------------------------------------------ checks
     def check_request(self, req) -> None:
@@ -143,9 +145,19 @@ class OpenAIServing:
             log.warning("%d field(s) ignored (not part of the API): %s", len(names), ", ".join(names[:10]))
         if getattr(req, "stream_options", None) is not None and not req.stream:
             raise APIError("stream_options can only be given with stream=true", 400, "stream_options")
-        rid = getattr(req, "request_id", None)
-        if rid is not None and any(k == rid or k.startswith(rid + "-") for k in self.llm.running_ids()):
+        pl = getattr(req, "prompt_logprobs", None)
+        if getattr(req, "stream", False) and isinstance(pl, int) and (pl > 0 or pl == -1):  # (vLLM's rule and words)
+            raise APIError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
+
+    def request_id(self, req, http: Request, prefix: str) -> str:
+        """The request's id: the ``X-Request-Id`` header, else the body's ``request_id`` (vLLM's order), else
+        ``<prefix>-<uuid>``; a given id that is already running is refused (400) before anything is queued."""
+        rid = http.headers.get("x-request-id") or getattr(req, "request_id", None)
+        if rid is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if any(k == rid or k.startswith(rid + "-") for k in self.llm.running_ids()):
             raise APIError(f"request_id {rid!r} is already running; use a unique id", 400, "request_id")
+        return rid
 
     async def tokenize(
         self, prompt, param: str, add_special_tokens: bool | None = None, add_generation_prompt: bool = True
@@ -213,8 +225,14 @@ class OpenAIServing:
             )
         return max_tokens
 
-    def sampling_params(self, req, max_tokens: int, logprobs: int | None, stream: bool) -> SamplingParams:
-        """The request's :class:`SamplingParams`; a field out of range is a 400 naming it."""
+    def sampling_params(
+        self, req, max_tokens: int, logprobs: int | None, stream: bool, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The request's :class:`SamplingParams`; a field out of range is a 400 naming it, and so is greedy
+        sampling (``temperature`` below 1e-5) with ``n > 1``, with vLLM's message (its ``SamplingParams``
+        refuses n identical copies). ``prompt_logprobs``: in place of the request's (``echo`` asks for them)."""
+        if prompt_logprobs is None:
+            prompt_logprobs = req.prompt_logprobs
         try:
             sp = SamplingParams(
                 n=req.n,
@@ -232,14 +250,16 @@ class OpenAIServing:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
                 logprobs=logprobs,
-                prompt_logprobs=req.prompt_logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             )
             self.llm.engine.check_samplable(sp)
-            return sp
         except (ValueError, TypeError) as e:
             raise APIError(str(e), 400, _field_of(str(e), req)) from None
+        if sp.n > 1 and sp.greedy:
+            raise APIError(f"n must be 1 when using greedy sampling, got {sp.n}.", 400, "n")
+        return sp
 
     # ------------------------------------------------------------------ running requests
     def admit(self, jobs: list[tuple]) -> None:
@@ -291,6 +311,11 @@ class OpenAIServing:
     async def stream_all(self, jobs: list[tuple]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of ``jobs`` as they come, tagged with the job's index; leaving early (a client
         that disconnected) cancels every job, which aborts its request."""
+        if len(jobs) == 1:  # (the usual case) no task and queue between the engine's outputs and the response
+            rid, tok, sp, prio = jobs[0]
+            async for out in self.llm.generate(_prompt_of(tok), sp, request_id=rid, priority=prio, tokenized=tok):
+                yield 0, out
+            return
         q: asyncio.Queue = asyncio.Queue()
 
         async def one(i, rid, tok, sp, prio):
@@ -324,20 +349,59 @@ def _prompt_of(tokenized: tuple[list[int], str | None]):
     return text if text is not None else ids
 
 
-def completion_logprobs(c, offset: int) -> dict | None:
-    """OpenAI's completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset)."""
-    if c.logprobs is None:
+#: what vLLM sends for a log-probability of -inf (JSON has no infinity)
+_LOGPROB_FLOOR = -9999.0
+
+
+def completion_logprobs(token_ids, positions, offset: int = 0, decode=None) -> dict | None:
+    """OpenAI's completions ``logprobs`` object (text_offset, token_logprobs, tokens, top_logprobs) of
+    ``token_ids`` and their ``positions`` (``{token id: Logprob}`` each, or ``None``: the first prompt
+    token of an ``echo``, whose text ``decode([id])`` gives, with null log-probabilities, as vLLM)."""
+    if positions is None:
         return None
     tokens, values, tops, offsets = [], [], [], []
-    for tid, pos in zip(c.token_ids, c.logprobs):
-        chosen = pos[tid]
-        text = chosen.decoded_token or ""
+    for tid, pos in zip(token_ids, positions):
+        if pos is None:
+            text = decode([tid]) if decode is not None else ""
+            values.append(None)
+            tops.append(None)
+        else:
+            chosen = pos[tid]
+            text = chosen.decoded_token or ""
+            values.append(max(chosen.logprob, _LOGPROB_FLOOR))
+            tops.append({(lp.decoded_token or ""): max(lp.logprob, _LOGPROB_FLOOR) for lp in pos.values()})
         tokens.append(text)
-        values.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in pos.values()})
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops}
+
+
+def prompt_logprobs_json(positions) -> list | None:
+    """A request's ``prompt_logprobs`` as vLLM's responses carry them: per prompt token ``None`` (the first)
+    or ``{"<token id>": {"logprob", "rank", "decoded_token"}}``."""
+    if positions is None:
+        return None
+    return [
+        None if pos is None else {
+            str(tid): {"logprob": max(lp.logprob, _LOGPROB_FLOOR), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in pos.items()
+        }
+        for pos in positions
+    ]  # fmt: skip
+
+
+def system_fingerprint(config) -> str | None:
+    """``system_fingerprint`` as vLLM's default (``--fingerprint-mode full``) builds it, with this server's name:
+    ``workbench-<version>[-tp<N>]-<8 hex digits of the engine configuration's hash>``; ``None`` when the
+    configuration cannot be read (vLLM never fails to start over it either)."""
+    from workbench import __version__
+
+    try:
+        digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    except Exception:  # (a stand-in engine without a full configuration)
+        return None
+    tp = getattr(config, "tensor_parallel_size", 1)
+    return "-".join([f"workbench-{__version__}", *([f"tp{tp}"] if tp > 1 else []), digest])
 
 
 def chat_logprobs(c, top: int) -> dict | None:
@@ -360,12 +424,19 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def _usage(prompt_tokens: int, completion_tokens: int, details: bool = True) -> dict:
+    """vLLM's ``UsageInfo``: with its (null) token details in a response, without them in a stream's last chunk."""
+    usage = {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
     }
+    return usage | ({"prompt_tokens_details": None, "completion_tokens_details": None} if details else {})
+
+
+#: the fields of vLLM's response bodies this server has nothing for (vLLM sends them as null too, unless a
+#: feature this server lacks is on: KV transfer, per-request metrics, a service tier)
+_NO_KV_TRANSFER = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
 def _chat_messages(messages) -> list[dict]:
@@ -382,6 +453,56 @@ def _finish(c) -> dict:
     return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
+#: the fields of vLLM's chat message this server never fills (no tools, audio, refusals or reasoning parser)
+_NO_MESSAGE_EXTRAS = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "reasoning": None}
+#: vLLM's ``return_token_ids`` / ``return_prompt_text`` fields, which this server does not offer: null
+_NO_PROMPT = {"prompt_token_ids": None, "prompt_text": None}
+
+
+def _model_permission() -> dict:
+    """vLLM's ``ModelPermission`` with its defaults (a fresh id and time on every ``/v1/models``, as vLLM)."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+        "object": "model_permission",
+        "created": int(time.time()),
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
+def _echoed_content(message, role: str) -> str:
+    """What a chat ``echo`` puts before the answer: the last message's content when its role is the answer's
+    (text parts joined by newlines), else nothing, as vLLM."""
+    if message.role != role or not message.content:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(part.get("text") or "" for part in message.content)
+
+
+#: vLLM's chat usage in a stream's chunks (``continuous_usage_stats``) names its completion details, null
+_NO_DETAILS = {"completion_tokens_details": None}
+
+
+def _usage_options(options) -> tuple[bool, bool]:
+    """``stream_options``' usage chunk at the end, and usage in every chunk (``continuous_usage_stats``, which
+    needs ``include_usage``, as vLLM's ``should_include_usage``)."""
+    last = bool(options and options.include_usage)
+    return last, last and options.continuous_usage_stats
+
+
+def _fingerprint(fp: str | None) -> dict:
+    """A stream chunk's ``system_fingerprint`` (vLLM leaves it out of a chunk when it has none)."""
+    return {"system_fingerprint": fp} if fp is not None else {}
+
+
 async def _event_stream(serving: OpenAIServing, jobs: list[tuple], param: str, head: dict, n_prompt: int,
                         usage: bool, chunks) -> AsyncIterator[str]:  # fmt: skip
     """A streamed response's server-sent events, for completions and chat alike: ``chunks(i, out)`` gives
@@ -396,8 +517,9 @@ async def _event_stream(serving: OpenAIServing, jobs: list[tuple], param: str, h
             n_out += sum(len(c.token_ids) for c in out.outputs)
             for obj in chunks(i, out):
                 yield _sse(obj)
-        if usage:
-            yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_out)})
+        if usage:  # (vLLM's last chunk: its null fields left out, the fingerprint in)
+            last = {**head, "choices": [], "usage": _usage(n_prompt, n_out, details=False)}
+            yield _sse(last | _fingerprint(serving.system_fingerprint))
     except EngineDeadError as e:
         yield _sse(APIError(str(e), 503).body())
     except ValueError as e:  # refused by the engine after the stream began (rare: checked before)
@@ -556,7 +678,9 @@ def build_app(
             "created": serving.created,
             "owned_by": "workbench",
             "root": str(llm.engine.config.model),
+            "parent": None,  # (vLLM's is a LoRA adapter's base model; there are no adapters here)
             "max_model_len": llm.max_model_len,
+            "permission": [_model_permission()],
         }
         return {"object": "list", "data": [card]}
 
@@ -590,8 +714,6 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):
         serving.check_request(req)
-        if req.echo:
-            raise APIError("echo=true is not supported; leave it out (the prompt is in your request)", 400, "echo")
         if req.suffix is not None:
             raise APIError("suffix is not supported by this model; leave it out", 400, "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -602,30 +724,65 @@ def build_app(
         if not prompts:
             raise APIError("prompt is empty; give a string, a list of strings or token ids", 400, "prompt")
         toks = [await serving.tokenize(p, "prompt") for p in prompts]
+        if req.echo and llm.tokenizer is None and any(t[1] is None for t in toks):
+            raise APIError("echo of token ids needs a tokenizer to decode them; this model has none", 400, "echo")
+        # echo (as vLLM): the text begins with the prompt, and the logprobs cover its tokens (prompt_logprobs
+        # of the same depth, the first token's null); max_tokens=0 echoes the prompt alone (one token is
+        # generated, counted in usage and not shown, as vLLM does)
+        prompt_only = req.echo and req.max_tokens == 0
+        limit = 1 if prompt_only else 16 if req.max_tokens is None else req.max_tokens  # (null: 16, as vLLM)
+        prompt_lps = req.logprobs if req.echo and req.prompt_logprobs is None else None
         sps = [
             serving.sampling_params(
-                req, serving.max_tokens(len(t[0]), req.max_tokens, "prompt"), req.logprobs, req.stream
+                req, serving.max_tokens(len(t[0]), limit, "prompt"), req.logprobs, req.stream, prompt_lps
             )
             for t in toks
         ]
-        rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        rid = serving.request_id(req, http, "cmpl")
         jobs = [(f"{rid}-{i}", t, sp, req.priority) for i, (t, sp) in enumerate(zip(toks, sps))]
         serving.admit(jobs)
+        texts = [t[1] if t[1] is not None else await serving.detokenize(t[0]) for t in toks] if req.echo else []
+        decode = llm.tokenizer.decode if llm.tokenizer is not None else None
         n = req.n
         n_prompt = sum(len(t[0]) for t in toks)
+        fp = serving.system_fingerprint
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.name}
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        def with_echo(i: int, out: RequestOutput, c) -> tuple[str, list[int], list | None]:
+            """The text, token ids and log-probability positions a choice reports (with ``echo``, the prompt's first)."""
+            if not req.echo:
+                return c.text, c.token_ids, c.logprobs
+            ids, lps = toks[i][0], out.prompt_logprobs
+            if prompt_only:
+                return texts[i], ids, lps
+            return texts[i] + c.text, ids + c.token_ids, (lps or []) + (c.logprobs or [])
+
+        if req.stream:
+            usage, running = _usage_options(req.stream_options)
             offsets: dict[int, int] = {}
+            echoed: set[int] = set()
+            counts: dict[int, int] = {}  # output tokens so far, per choice
 
             def chunks(i: int, out: RequestOutput):
                 for c in _choices_with_news(out):  # one choice per chunk
                     idx = i * n + c.index
-                    lp = completion_logprobs(c, offsets.get(idx, 0))
-                    offsets[idx] = offsets.get(idx, 0) + len(c.text)
-                    choice = {"index": idx, "text": c.text, "logprobs": lp}
-                    yield {**head, "choices": [choice | _finish(c)]}
+                    counts[idx] = counts.get(idx, 0) + len(c.token_ids)
+                    if idx in echoed:
+                        text, ids, positions = c.text, c.token_ids, c.logprobs
+                    else:  # this choice's first chunk: with echo, the prompt comes first
+                        echoed.add(idx)
+                        text, ids, positions = with_echo(i, out, c)
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = completion_logprobs(ids, positions or [], offsets.get(idx, 0), decode)
+                        if lp["tokens"]:  # the next offset: after the tokens reported (text may be held back)
+                            offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    choice = {"index": idx, "text": text, "logprobs": lp} | _finish(c)
+                    chunk = {**head, "choices": [choice | {"prompt_token_ids": None, "token_ids": None}]}
+                    if running:  # stream_options.continuous_usage_stats: this choice's usage so far
+                        chunk["usage"] = _usage(len(toks[i][0]), counts[idx], details=False)
+                    # the fingerprint in a choice's last chunk, unless a usage chunk comes last (as vLLM)
+                    yield chunk | (_fingerprint(fp) if c.finish_reason is not None and not usage else {})
 
             events = _event_stream(serving, jobs, "prompt", head, n_prompt, usage, chunks)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -638,16 +795,29 @@ def build_app(
                 raise _request_error(out, "prompt")
             for c in out.outputs:
                 n_out += len(c.token_ids)
+                text, ids, positions = with_echo(i, out, c)
+                lp = completion_logprobs(ids, positions or [], 0, decode) if req.logprobs is not None else None
                 choices.append(
                     {
                         "index": i * n + c.index,
-                        "text": c.text,
-                        "logprobs": completion_logprobs(c, 0),
+                        "text": text,
+                        "logprobs": lp,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
+                        "token_ids": None,
+                        "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
+                        "prompt_token_ids": None,
+                        "routed_experts": None,
                     }
                 )
-        return {**head, "choices": choices, "usage": _usage(n_prompt, n_out)}
+        return {
+            **head,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": fp,
+            "usage": _usage(n_prompt, n_out),
+            **_NO_KV_TRANSFER,
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: Request):
@@ -662,31 +832,51 @@ def build_app(
         tok = await serving.tokenize(msgs, "messages", add_generation_prompt=req.add_generation_prompt)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        sp = serving.sampling_params(req, serving.max_tokens(len(tok[0]), limit, "messages"), logprobs, req.stream)
-        rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        top = req.top_logprobs or 0
+        # vLLM's echo asks for the prompt's logprobs (top_logprobs deep) and returns them in the response; a
+        # stream has no place for them, so a streamed echo does not compute them (nobody could see them)
+        prompt_lps = top if req.echo and req.prompt_logprobs is None and not req.stream else None
+        max_tokens = serving.max_tokens(len(tok[0]), limit, "messages")
+        sp = serving.sampling_params(req, max_tokens, logprobs, req.stream, prompt_lps)
+        rid = serving.request_id(req, http, "chatcmpl")
         jobs = [(rid, tok, sp, req.priority)]
         serving.admit(jobs)
         n_prompt = len(tok[0])
-        top = req.top_logprobs or 0
-        head = {"id": rid, "created": int(time.time()), "model": serving.name}
+        fp = serving.system_fingerprint
+        # the answer's role: the assistant's, or (add_generation_prompt=false) the last message's, as vLLM
+        role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+        echo = _echoed_content(req.messages[-1], role) if req.echo else ""
+        head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion"}
+        head |= {"created": int(time.time()), "model": serving.name}
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunk = {**head, "object": "chat.completion.chunk"}
-
+            usage, running = _usage_options(req.stream_options)
             started: list[bool] = []
+            counts = [0] * req.n  # output tokens so far, per choice
+
+            def so_far(k: int) -> dict:  # stream_options.continuous_usage_stats: choice k's usage so far
+                return {"usage": _usage(n_prompt, counts[k], details=False) | _NO_DETAILS} if running else {}
 
             def chunks(i: int, out: RequestOutput):
-                if not started:  # the role first, for every choice (as vLLM)
+                if not started:  # the role first, for every choice, then the echo (as vLLM)
                     started.append(True)
                     for k in range(req.n):
-                        first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                        yield {**chunk, "choices": [first | {"finish_reason": None, "stop_reason": None}]}
+                        first = {"index": k, "delta": {"role": role, "content": ""}, "logprobs": None}
+                        yield {**head, "choices": [first | {"finish_reason": None}]} | so_far(k) | _NO_PROMPT
+                    for k in range(req.n if echo else 0):
+                        choice = {"index": k, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+                        yield {**head, "choices": [choice]} | so_far(k)
                 for c in _choices_with_news(out):  # one choice per chunk
-                    delta = {"content": c.text} if c.text else {}
-                    choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top)}
-                    yield {**chunk, "choices": [choice | _finish(c)]}
+                    counts[c.index] += len(c.token_ids)
+                    choice = {"index": c.index, "delta": {"content": c.text}, "logprobs": chat_logprobs(c, top)}
+                    if c.finish_reason is None:  # (vLLM: finish_reason null, no stop_reason, until the last)
+                        yield {**head, "choices": [choice | {"finish_reason": None, "token_ids": None}]} | so_far(
+                            c.index
+                        )
+                    else:  # the choice's last chunk: with the fingerprint, unless a usage chunk comes last
+                        chunk = {**head, "choices": [choice | _finish(c) | {"token_ids": None}]} | so_far(c.index)
+                        yield chunk | (_fingerprint(fp) if not usage else {})
 
-            events = _event_stream(serving, jobs, "messages", chunk, n_prompt, usage, chunks)
+            events = _event_stream(serving, jobs, "messages", head, n_prompt, usage, chunks)
             return StreamingResponse(events, media_type="text/event-stream")
         outs = await serving.run_all(http, jobs)
         if outs is None:
@@ -697,15 +887,26 @@ def build_app(
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": role, "content": echo + c.text} | _NO_MESSAGE_EXTRAS,
                 "logprobs": chat_logprobs(c, top),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                "token_ids": None,
+                "routed_experts": None,
             }
             for c in out.outputs
         ]
         n_out = sum(len(c.token_ids) for c in out.outputs)
-        return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(n_prompt, n_out)}
+        return {
+            **head,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": fp,
+            "usage": _usage(n_prompt, n_out),
+            "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
+            **_NO_PROMPT,
+            **_NO_KV_TRANSFER,
+        }
 
     app.openapi = lambda: _openapi(app, guarded=bool(api_key))
     return app

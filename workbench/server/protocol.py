@@ -3,8 +3,8 @@
 https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html), and the error body.
 
 Numbers are strict: ``true`` is not ``1`` and ``"2"`` is not ``2``. Unknown fields are ignored, as
-vLLM does. Fields the engine does not have (``echo``, ``suffix``, ``best_of`` above ``n``, ``tools``)
-are refused with a 400 naming them rather than silently dropped.
+vLLM does. Fields the engine does not have (``suffix``, ``best_of`` other than ``n``, ``tools``) are
+refused with a 400 naming them rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class CompletionRequest(_SamplingFields):
     token-id lists (one completion per prompt, ``n`` choices each)."""
 
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
+    max_tokens: StrictInt | None = 16  # null is 16 too (vLLM's normalize_null_max_tokens)
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
@@ -81,6 +81,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     tools: list | None = None
+    #: vLLM's extra: the answer begins with the last message's content when that message has the answer's role
+    echo: StrictBool = False
 
 
 class TokenizeRequest(BaseModel):
