@@ -86,6 +86,8 @@ async def one(client: httpx.AsyncClient, i: int, rng: random.Random, tally: dict
         "n": rng.choice([1, 1, 1, 2]),
         "stream": kind == "disconnect" or rng.random() < 0.5,
     }
+    if body["temperature"] == 0:
+        body["n"] = 1  # greedy with n > 1 is a 400, as in vLLM
     if kind == "disconnect":
         body["max_tokens"] = 200
         body["ignore_eos"] = True
