@@ -147,3 +147,36 @@ def test_health_reports_a_stalled_engine_loop(engine):
         release.set()
         blocker.join()
     wait_for(200)
+
+
+def test_the_engine_is_built_on_the_thread_that_steps_it(monkeypatch):
+    """The model loads on the engine thread, not the caller's: a caller that never ran torch starts no
+    OpenMP team of its own, so the engine thread's team is the only one and its workers keep their spin
+    (with two teams on two cores GNU OpenMP throttles it, and every small op waits for a wake-up)."""
+    import threading
+
+    from workbench.entrypoints import async_llm
+
+    built_on: list[str] = []
+
+    class Recording(async_llm.LLMEngine):
+        def __init__(self, *a, **k):
+            built_on.append(threading.current_thread().name)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(async_llm, "LLMEngine", Recording)
+    eng = AsyncLLM(max_model_len=128, max_num_seqs=2)
+    try:
+        stepped_on = eng.call(lambda e: threading.current_thread().name)
+    finally:
+        eng.shutdown()
+    assert built_on == [stepped_on] == ["workbench-engine"]
+
+
+def test_an_engine_that_fails_to_build_raises_in_the_caller_and_leaves_no_thread():
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="fewer than max_model_len=256"):
+        AsyncLLM(max_model_len=256, num_gpu_blocks_override=1)
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before

@@ -20,6 +20,13 @@ started from here) inherit it. A program that imports torch before workbench kee
 (:func:`spin_default_applied` says whether it took effect). ``GOMP_SPINCOUNT=300000`` restores OpenMP's own
 default for one command.
 
+The spin count holds only while OpenMP's threads are no more than the CPUs. GNU OpenMP keeps one team of workers
+for every thread that has started a parallel region, and once the threads of all teams outnumber the CPUs it cuts
+every wait to a short throttled spin (``gomp_throttled_spin_count_var``), which on a busy step is the same as no spin.
+So a process that runs torch on two threads (a server's main thread that loaded the model, and the engine thread
+that steps it) runs every small op with a wake-up; :class:`~workbench.entrypoints.async_llm.AsyncLLM` therefore
+builds its engine on the thread that steps it.
+
 Only GNU OpenMP (libgomp, which torch's Linux x86 wheels use) reads ``GOMP_SPINCOUNT``; under another OpenMP runtime
 the variable is set and has no effect.
 """

@@ -8,7 +8,7 @@ can use it directly::
         print(out.outputs[0].text, end="")
     engine.shutdown()
 
-One background thread owns the :class:`~workbench.engine.LLMEngine`: it takes new requests and aborts
+One background thread builds and owns the :class:`~workbench.engine.LLMEngine`: it takes new requests and aborts
 from a queue, steps while any request is unfinished and sleeps otherwise, and hands each step's
 outputs to the asyncio queues of their callers (one ``call_soon_threadsafe`` per event loop and step). Requests stream as ``DELTA`` outputs (only what is new
 since the previous one); the last has ``finished=True``. vLLM runs its engine core in another process;
@@ -88,7 +88,7 @@ class AsyncLLM:
         unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; see workbench.EngineConfig")
-        self.engine = LLMEngine(EngineConfig(**engine_args), recorder=recorder or Recorder(history=history))
+        config = EngineConfig(**engine_args)  # bad arguments raise here, in the caller
         if check_invariants is None:
             check_invariants = os.environ.get("WORKBENCH_CHECK_INVARIANTS") == "1"
         self.check_invariants = check_invariants
@@ -100,8 +100,26 @@ class AsyncLLM:
         #: called with that error, on the engine thread, once the loop has stopped on it (the server exits)
         self.on_dead: list = []
         self._beat = time.monotonic()  # the engine loop's last sign of life
-        self._thread = threading.Thread(target=self._loop, name="workbench-engine", daemon=True)
+        # The engine is built on the thread that will step it (see _build_and_loop); the caller waits.
+        self.engine: LLMEngine | None = None
+        built = threading.Event()
+        failed: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._build_and_loop,
+            args=(config, recorder or Recorder(history=history), built, failed),
+            name="workbench-engine",
+            daemon=True,
+        )
         self._thread.start()
+        try:
+            while not built.wait(0.2):  # (a short wait, so that Ctrl-C reaches the caller)
+                pass
+        except BaseException:
+            self._stopping = True  # the thread stops once the engine is built
+            raise
+        if failed:
+            self._thread.join()
+            raise failed[0]
 
     # ------------------------------------------------------------------ caller side
     @property
@@ -220,6 +238,29 @@ class AsyncLLM:
         self.shutdown()
 
     # ------------------------------------------------------------------ engine thread
+    def _build_and_loop(self, config: EngineConfig, recorder: Recorder, built: threading.Event, failed: list) -> None:
+        """Build the engine (weights, KV pool, profiling) on this thread, then run :meth:`_loop`.
+
+        Why here and not in the caller: GNU OpenMP, which runs torch's intra-op work, keeps one team of
+        worker threads for every thread that has started a parallel region, and once its threads outnumber
+        the CPUs it cuts the spin of a waiting worker to almost nothing. Had the caller loaded the model,
+        its team would stay beside this thread's, the count would pass the CPUs (on two cores: two
+        masters and two workers), and every small op of a step would wait for a sleeping worker to wake
+        (:mod:`workbench.omp_wait`). Built here, a caller that never ran torch itself (``workbench
+        serve``'s main thread) starts no team, and the steps run as fast as offline ``LLM.generate``.
+        """
+        try:
+            self.engine = LLMEngine(config, recorder=recorder)
+        except BaseException as e:  # handed to the caller, as if raised there
+            failed.append(e)
+            built.set()
+            return
+        built.set()
+        if self._stopping:  # the caller was interrupted while the engine loaded
+            self.engine.shutdown()
+            return
+        self._loop()
+
     def _loop(self) -> None:
         eng = self.engine
         check_alive = getattr(eng.executor, "check_alive", None)
