@@ -28,6 +28,14 @@ Sampling: vLLM 0.32's client sends no ``temperature`` unless given; a server the
 here) sends ``--temperature 0`` so that all three compute the same greedy tokens; ``--temperature none`` sends
 nothing (each server's default) and runs the offline side at 1.0, which is what ``workbench serve`` does then.
 
+Prefix caching is on by default in vLLM and off in ``workbench serve``, and every run sends the same prompts again,
+so from the second run on vLLM's server finds their KV blocks cached; ``--vllm-args='--no-enable-prefix-caching'`` (or
+``--workbench-args='--enable-prefix-caching'``) compares the two engines with the same setting.
+
+Before/after: ``--baseline-tree PATH`` serves a second ``workbench serve`` from another checkout (system
+``baseline``, e.g. a ``git worktree`` of the previous commit) in the same alternating rounds; the script prints and
+records which ``workbench/__init__.py`` each server and the offline engine import.
+
 Output: ``runs/bench/serve_vs_vllm.json`` (``--out``; every client result, settings, machine, versions) and a
 markdown table: output tok/s, TTFT and TPOT median and p99 (median of the rounds), and at rate inf the ratio of
 each server's output throughput to offline's (median of per-round ratios). Every server is started and stopped
@@ -45,6 +53,7 @@ import contextlib
 import gc
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -100,6 +109,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--client-timeout", type=float, default=1800, help="seconds per client run")
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--workbench-args", default="", metavar="ARGS",
+                   help="extra flags for each workbench serve, one string (e.g. '--enable-prefix-caching')")
+    p.add_argument("--vllm-args", default="", metavar="ARGS",
+                   help="extra flags for vllm serve, one string (e.g. '--no-enable-prefix-caching')")
+    p.add_argument("--baseline-tree", default=None, metavar="PATH",
+                   help="also serve a second workbench from another checkout (system 'baseline'), for before/after")
     p.add_argument("--smoke", action="store_true", help="4 prompts x 16 -> 8 tokens, rates inf, random, 1 round")
     a = p.parse_args(argv)
     if a.smoke:
@@ -112,6 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.system_list = [s.strip() for s in a.systems.split(",") if s.strip()]
     if not set(a.system_list) <= {"workbench", "vllm"}:
         p.error("--systems: workbench and/or vllm")
+    if a.baseline_tree is not None:
+        if not (Path(a.baseline_tree) / "workbench" / "__init__.py").is_file():
+            p.error(f"--baseline-tree: {a.baseline_tree!r} is not a workbench checkout (no workbench/__init__.py)")
+        a.system_list.append("baseline")
     return a
 
 
@@ -151,19 +170,37 @@ class Servers:
         return codes
 
 
-def start_workbench(args, servers: Servers, log_dir: Path):
+def workbench_env(tree: Path) -> dict:
+    """Environment of a ``workbench serve`` from ``tree``: its folder first on the path, and ``PYTHONSAFEPATH`` so
+    that ``python -m`` does not put the working directory (this checkout) before it."""
+    extra = os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
+    return {"PYTHONPATH": str(tree) + extra, "PYTHONSAFEPATH": "1"}
+
+
+def imported_tree(env: dict) -> str:
+    """The ``workbench/__init__.py`` that a server started with ``env`` imports (asked of a Python with the same
+    environment and working directory)."""
+    r = subprocess.run([sys.executable, "-c", "import workbench; print(workbench.__file__)"], env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    return r.stdout.strip()
+
+
+def start_workbench(args, servers: Servers, log_dir: Path, name: str = "workbench", tree: Path = REPO):
     from workbench.server.launcher import ServerProcess
 
+    env = workbench_env(tree)
     srv = ServerProcess(
         threads=args.threads,
         startup_timeout=args.startup_timeout,
         stop_timeout=30,
-        env={"PYTHONPATH": str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")},
-        extra_args=["--served-model-name", SERVED_NAME, "--log-level", "warning"],
-        log_path=log_dir / "workbench_server.log",
+        env=env,
+        extra_args=["--served-model-name", SERVED_NAME, "--log-level", "warning", *shlex.split(args.workbench_args)],
+        log_path=log_dir / f"{name}_server.log",
         dtype=args.dtype,
     )
-    servers.items["workbench"] = srv
+    srv.imports = imported_tree(env)
+    print(f"# {name} serve imports {srv.imports}", flush=True)
+    servers.items[name] = srv
     srv.launch()
     return srv
 
@@ -171,7 +208,8 @@ def start_workbench(args, servers: Servers, log_dir: Path):
 def start_vllm(args, servers: Servers, log_dir: Path, vpy: Path, folder: Path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(vllm_cpu.child_env(args.threads))
-    srv = VLLMServer(vpy, folder, free_port(), env, ["--dtype", args.dtype, "--served-model-name", SERVED_NAME],
+    srv = VLLMServer(vpy, folder, free_port(), env, ["--dtype", args.dtype, "--served-model-name", SERVED_NAME,
+                                                 *shlex.split(args.vllm_args)],
                      log_dir / "vllm_server.log")  # fmt: skip
     servers.items["vllm"] = srv
     return srv
@@ -267,6 +305,9 @@ def fmt(x, spec=".1f"):
     return "n/a" if x is None else format(x, spec)
 
 
+LABELS = {"baseline": "workbench serve (`--baseline-tree`)"}
+
+
 def table(report: dict) -> str:
     rows = ["| dataset | rate (req/s) | system | output tok/s | TTFT median / p99 (ms) | TPOT median / p99 (ms) | "
             "vs offline (tok/s) |", "|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
@@ -281,7 +322,7 @@ def table(report: dict) -> str:
                     per_round = [a / b for a, b in zip(tp, off)]
                     ratio = f"{med(per_round):.0%} (rounds {', '.join(f'{x:.0%}' for x in per_round)})"
                 rows.append(
-                    f"| {ds} | {rate} | {system} serve | {fmt(med(tp))} | "
+                    f"| {ds} | {rate} | {LABELS.get(system, system + ' serve')} | {fmt(med(tp))} | "
                     f"{fmt(med([r['median_ttft_ms'] for r in runs]))} / {fmt(med([r['p99_ttft_ms'] for r in runs]))} | "
                     f"{fmt(med([r['median_tpot_ms'] for r in runs]))} / {fmt(med([r['p99_tpot_ms'] for r in runs]))} | "
                     f"{ratio} |"
@@ -337,15 +378,23 @@ def main(argv=None) -> int:
         if "vllm" in args.system_list:
             started["vllm"] = start_vllm(args, servers, log_dir, vpy, folder)
             started["vllm"].start(args.startup_timeout)  # (its own start waits for /health)
-        if "workbench" in started:
-            started["workbench"].wait_ready()
+        if "baseline" in args.system_list:
+            started["baseline"] = start_workbench(args, servers, log_dir, "baseline", Path(args.baseline_tree))
+        for name in ("workbench", "baseline"):
+            if name in started:
+                started[name].wait_ready()
         pids = {n: s.proc.pid for n, s in started.items()}
         report["settings"]["server_commands"] = {n: getattr(s, "cmd", None) or s.args for n, s in started.items()}
+        report["settings"]["workbench_imports"] = {n: s.imports for n, s in started.items() if hasattr(s, "imports")}
         print(
             f"# servers up: {', '.join(f'{n} pid {p} at {started[n].base_url}' for n, p in pids.items())}", flush=True
         )
 
+        import workbench
         from workbench import LLM
+
+        report["settings"]["offline_imports"] = workbench.__file__
+        print(f"# offline LLM.generate imports {workbench.__file__}", flush=True)
 
         llm = LLM(dtype=args.dtype)
         prompts = {}
