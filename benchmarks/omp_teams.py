@@ -14,7 +14,7 @@ microseconds per call over ``--repeats`` batches. With ``--engine`` it also runs
 prompts x 100 -> 128 tokens, greedy, bfloat16) and reports the median model time of the 64-row decode steps from the
 engine's recorder: on the main thread, and on a second thread after the model loaded on the main thread. Run::
 
-    .venv/bin/python benchmarks/omp_teams.py              # the ops, about 20 s
+    .venv/bin/python benchmarks/omp_teams.py              # the ops, about 20 s on an idle machine
     .venv/bin/python benchmarks/omp_teams.py --engine     # and the engine's decode steps, about 1.5 min
 """
 
@@ -114,6 +114,10 @@ def main(argv=None) -> int:
     if a.child:
         print(json.dumps(child(a.child, a.repeats)))
         return 0
+    load0 = os.getloadavg()[0]
+    if load0 > 1.0:
+        print(f"# WARNING: 1-minute load average is {load0:.2f} at start: other processes share the CPUs and the "
+              "single-team figures can jump to milliseconds when a thread is descheduled; run on an idle machine")
     cases = ["main", "thread", "thread-after-main"] + (["engine-main", "engine-thread-after-main"] if a.engine else [])
     env = {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if "PYTHONPATH" in os.environ else "")}
     results = []
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
                            capture_output=True, text=True, check=True)  # fmt: skip
         results.append(json.loads(r.stdout.strip().splitlines()[-1]))
     print(f"# imports {results[0]['imports']}; torch threads {results[0]['threads']}; {os.cpu_count()} CPUs; "
-          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+          f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after")  # fmt: skip
     ops = [r for r in results if "ops_us" in r]
     names = list(ops[0]["ops_us"])
     print("| op (64 x 576 bfloat16), us per call | " + " | ".join(r["case"] for r in ops) + " |")

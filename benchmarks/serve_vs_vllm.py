@@ -110,9 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--client-timeout", type=float, default=1800, help="seconds per client run")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--workbench-args", default="", metavar="ARGS",
-                   help="extra flags for each workbench serve, one string (e.g. '--enable-prefix-caching')")
+                   help="extra flags for each workbench serve, one string, with '=' (e.g. --workbench-args=--enable-prefix-caching)")
     p.add_argument("--vllm-args", default="", metavar="ARGS",
-                   help="extra flags for vllm serve, one string (e.g. '--no-enable-prefix-caching')")
+                   help="extra flags for vllm serve, one string, with '=' (e.g. --vllm-args=--no-enable-prefix-caching)")
     p.add_argument("--baseline-tree", default=None, metavar="PATH",
                    help="also serve a second workbench from another checkout (system 'baseline'), for before/after")
     p.add_argument("--smoke", action="store_true", help="4 prompts x 16 -> 8 tokens, rates inf, random, 1 round")
